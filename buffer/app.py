@@ -1,0 +1,115 @@
+"""The application factory: ``create_app(settings)``; all state is built in the lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from buffer import __version__
+from buffer.errors import RolloutBufferError
+from buffer.jobs import JobManager
+from buffer.models import Trajectory, invalid_input
+from buffer.registry import GeneratorRegistry
+from buffer.responses import envelope
+from buffer.rollout_buffer import RolloutBuffer
+from buffer.routes import jobs, rollout, service, trajectories
+from buffer.services import Services
+from buffer.settings import Settings
+from buffer.signals import ReadySignal
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        registry = GeneratorRegistry(settings.generator_dir)
+        await asyncio.to_thread(registry.refresh)
+        buffer = RolloutBuffer(
+            settings.default_task_settings(), hooks_for=registry.hooks_for, dedup_window=settings.dedup_window
+        )
+        ready = ReadySignal()
+        buffer.add_listener(ready.notify)
+        job_manager = JobManager(buffer.written)
+        app.state.services = Services(settings, buffer, registry, job_manager, ready)
+        sweeper = asyncio.create_task(_sweep_timeouts(buffer, settings.sweep_interval_s), name="timeout-sweeper")
+        logger.info(
+            "rollout buffer %s: generators from %s: %s",
+            __version__,
+            settings.generator_dir,
+            ", ".join(sorted(registry.generators)) or "none",
+        )
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            await asyncio.gather(sweeper, return_exceptions=True)
+            await job_manager.shutdown()
+
+    app = FastAPI(title="rollout-buffer", version=__version__, lifespan=lifespan)
+    for module in (rollout, trajectories, jobs, service):
+        app.include_router(module.router)
+    app.add_exception_handler(RolloutBufferError, _buffer_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+async def _sweep_timeouts(buffer: RolloutBuffer, interval_s: float) -> None:
+    """Finish timed-out groups even when no request comes to do it."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            buffer.expire()
+        except Exception:
+            logger.exception("timeout sweep failed")
+
+
+async def _buffer_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RolloutBufferError)
+    if exc.status_code >= 500:
+        logger.error("%s %s: %s", request.method, request.url.path, exc.message)
+    return envelope(False, exc.message, status_code=exc.status_code, **exc.details())
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    # FastAPI's locations start with where the value came from ("body", "query"): drop it.
+    errors = [{**error, "loc": tuple(error["loc"])[1:]} for error in exc.errors()]
+    return await _buffer_error(request, invalid_input(errors))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return envelope(False, str(exc.detail), status_code=exc.status_code)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return envelope(False, "internal error; the service log has the details", status_code=500)
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, plus the trajectory models the hot routes validate by hand."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        trajectory = Trajectory.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(trajectory.pop("$defs", {}))
+        components["Trajectory"] = trajectory
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -1,0 +1,35 @@
+"""``python buffer.py`` / ``python -m buffer`` / ``rollout-buffer``: run the service."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import uvicorn
+from pydantic_settings import CliApp
+
+from buffer.app import create_app
+from buffer.settings import Settings
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse flags (``--help`` lists them; each has a ``ROLLOUT_BUFFER_*`` variable) and serve."""
+    settings = CliApp.run(Settings, cli_args=list(argv) if argv is not None else None)
+    configure_logging(settings.log_level)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=None,  # keep the format configured above
+        access_log=settings.access_log,
+        timeout_keep_alive=5,
+    )

@@ -1,0 +1,81 @@
+"""The errors the service raises on purpose, each with the HTTP status it maps to.
+
+    RolloutBufferError                  500  base; never raised itself
+    ├── InvalidInput                    422  a field of a request is wrong (names it)
+    ├── NotFound                        404
+    │   ├── UnknownTask                      no generator for the task type (lists the known ones)
+    │   └── UnknownJob
+    └── GeneratorUnavailable            409  the task's generator file failed to load
+
+The API maps each to its status and the envelope ``{"success": false, "message": ...}`` in
+one handler (``buffer.app``); nothing else reaches a client, tracebacks least of all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+
+class RolloutBufferError(Exception):
+    status_code = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def details(self) -> dict[str, Any]:
+        """Extra fields for the error response."""
+        return {}
+
+
+class InvalidInput(RolloutBufferError):
+    """One or more fields of a request are wrong; ``errors`` names each."""
+
+    status_code = 422
+
+    def __init__(self, errors: Iterable[tuple[str, str]]) -> None:
+        self.errors = [{"field": field, "reason": reason} for field, reason in errors]
+        super().__init__("; ".join(f"{e['field']}: {e['reason']}" for e in self.errors))
+
+    @classmethod
+    def one(cls, field: str, reason: str) -> InvalidInput:
+        return cls([(field, reason)])
+
+    def details(self) -> dict[str, Any]:
+        return {"errors": self.errors}
+
+
+class NotFound(RolloutBufferError):
+    status_code = 404
+
+
+class UnknownTask(NotFound):
+    def __init__(self, task_type: str, available: Iterable[str]) -> None:
+        self.task_type = task_type
+        self.available = sorted(available)
+        known = ", ".join(self.available) or "none"
+        super().__init__(f"task_type: no generator for {task_type!r}; available tasks: {known}")
+
+    def details(self) -> dict[str, Any]:
+        return {"available_tasks": self.available}
+
+
+class UnknownJob(NotFound):
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"no job with id {job_id!r}")
+
+
+class GeneratorUnavailable(RolloutBufferError):
+    """The task type is known, but its generator file cannot be used."""
+
+    status_code = 409
+
+    def __init__(self, task_type: str, errors: list[dict[str, Any]]) -> None:
+        self.task_type = task_type
+        self.load_errors = errors
+        reasons = "; ".join(f"{e['file']}: {e['error']}" for e in errors)
+        super().__init__(f"task_type: the generator for {task_type!r} failed to load: {reasons}")
+
+    def details(self) -> dict[str, Any]:
+        return {"load_errors": self.load_errors}

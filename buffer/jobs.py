@@ -1,0 +1,204 @@
+"""Running generators in the background, as jobs with a status.
+
+An async ``run_rollout`` runs as a task on the service's event loop; a sync one in a thread
+of its own (a generator may run for hours, so it must not hold a slot of a shared pool).
+Every job is owned: it has a status, its failure is logged with the traceback and kept on
+the job, and shutdown cancels and awaits what is still running.
+
+Python cannot stop a thread, so cancelling a sync generator is cooperative: the job turns
+``cancelled`` at once, and the generator can see ``current_job().cancel_requested`` and
+return. An async generator is cancelled outright.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import enum
+import itertools
+import logging
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from buffer.errors import UnknownJob
+from buffer.registry import Generator
+
+logger = logging.getLogger(__name__)
+
+_current_job: contextvars.ContextVar[Job | None] = contextvars.ContextVar("current_job", default=None)
+
+
+def current_job() -> Job | None:
+    """The job whose generator is running in this context, if any."""
+    return _current_job.get()
+
+
+class JobStatus(str, enum.Enum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False)
+class Job:
+    id: str
+    task_type: str
+    generator_file: str
+    data: dict[str, Any]
+    written_at_start: int
+    status: JobStatus = JobStatus.RUNNING
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    error: str | None = None
+    traceback: str | None = None
+    progress: dict[str, Any] = field(default_factory=dict)
+    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    _task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self.status is not JobStatus.RUNNING
+
+    def describe(self, written_now: int) -> dict[str, Any]:
+        end = self.finished_at or time.time()
+        return {
+            "id": self.id,
+            "task_type": self.task_type,
+            "generator_file": self.generator_file,
+            "status": self.status.value,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "duration_s": round(end - self.started_at, 3),
+            "counters": {"written": written_now - self.written_at_start},
+            "progress": dict(self.progress),
+            "error": self.error,
+            "traceback": self.traceback,
+        }
+
+
+class JobManager:
+    def __init__(self, written: Callable[[str], int], keep: int = 1000) -> None:
+        """``written(task_type)`` counts the task's trajectories, for the jobs' counters."""
+        self._written = written
+        self._jobs: OrderedDict[str, Job] = OrderedDict()
+        self._ids = itertools.count(1)
+        self._keep = keep
+
+    def start(self, generator: Generator, data: dict[str, Any]) -> Job:
+        """Run ``generator.run_rollout(data)`` in the background. Call on the event loop."""
+        job = Job(
+            id=f"job-{next(self._ids)}",
+            task_type=generator.task_type,
+            generator_file=str(generator.path),
+            data=data,
+            written_at_start=self._written(generator.task_type),
+        )
+        self._jobs[job.id] = job
+        self._forget_old()
+        job._task = asyncio.get_running_loop().create_task(self._run(job, generator), name=job.id)
+        logger.info("%s: started %s (%s)", job.id, generator.task_type, generator.path)
+        return job
+
+    async def _run(self, job: Job, generator: Generator) -> None:
+        token = _current_job.set(job)
+        try:
+            if generator.is_async:
+                await generator.run_rollout(job.data)
+            else:
+                await _run_in_own_thread(generator.run_rollout, job.data, name=job.id)
+        except asyncio.CancelledError:
+            self._finish(job, JobStatus.CANCELLED)
+            raise
+        except BaseException as exc:  # a generator may raise anything, SystemExit included
+            self._finish(job, JobStatus.FAILED, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+            logger.error("%s: %s generator failed: %s\n%s", job.id, job.task_type, exc, job.traceback)
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+        else:
+            self._finish(job, JobStatus.SUCCEEDED)
+            logger.info("%s: %s generator finished", job.id, job.task_type)
+        finally:
+            _current_job.reset(token)
+
+    def _finish(self, job: Job, status: JobStatus, error: str | None = None, tb: str | None = None) -> None:
+        if job.done:  # cancelled already; a late result of its thread changes nothing
+            return
+        job.status, job.error, job.traceback = status, error, tb
+        job.finished_at = time.time()
+
+    def _forget_old(self) -> None:
+        while len(self._jobs) > self._keep:
+            oldest = next((job_id for job_id, job in self._jobs.items() if job.done), None)
+            if oldest is None:
+                return
+            del self._jobs[oldest]
+
+    def running(self, task_type: str) -> Job | None:
+        return next((job for job in reversed(self._jobs.values()) if job.task_type == task_type and not job.done), None)
+
+    def get(self, job_id: str) -> Job:
+        try:
+            return self._jobs[job_id]
+        except KeyError:
+            raise UnknownJob(job_id) from None
+
+    def list(self) -> list[Job]:
+        return list(self._jobs.values())
+
+    def describe(self, job: Job) -> dict[str, Any]:
+        return job.describe(self._written(job.task_type))
+
+    async def cancel(self, job_id: str) -> Job:
+        job = self.get(job_id)
+        if job.done:
+            return job
+        job._cancel.set()
+        self._finish(job, JobStatus.CANCELLED)
+        if job._task is not None:
+            job._task.cancel()
+            await asyncio.gather(job._task, return_exceptions=True)
+        logger.info("%s: cancelled", job.id)
+        return job
+
+    async def shutdown(self) -> None:
+        for job in list(self._jobs.values()):
+            if not job.done:
+                await self.cancel(job.id)
+
+
+async def _run_in_own_thread(fn: Callable[[dict[str, Any]], Any], data: dict[str, Any], *, name: str) -> Any:
+    """Run ``fn(data)`` in a new daemon thread, with this context, and await its result."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():
+            outcome()
+
+    def deliver(outcome: Callable[[], None]) -> None:
+        try:
+            loop.call_soon_threadsafe(settle, outcome)
+        except RuntimeError:  # the loop has closed: the service stopped first
+            pass
+
+    def target() -> None:
+        try:
+            result = context.run(fn, data)
+        except BaseException as exc:
+            deliver(lambda: future.set_exception(exc))
+        else:
+            deliver(lambda: future.set_result(result))
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return await future

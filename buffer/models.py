@@ -1,0 +1,136 @@
+"""The shapes at the HTTP edge: trajectories and request bodies, validated with pydantic.
+
+Validation errors become ``InvalidInput`` naming each field (``messages.2.content``) and the
+reason; nothing is buffered from a request that fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictStr, field_validator, model_validator
+
+from buffer.errors import InvalidInput
+
+FiniteNumber = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+InstanceId = Annotated[StrictStr, Field(min_length=1)] | Annotated[int, Strict()]
+Ratio = Annotated[float, Field(ge=0, le=1)]
+
+
+class ContentPart(BaseModel):
+    """One part of a multimodal message: ``{"type": "text", "text": ...}``, an image, ..."""
+
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Annotated[StrictStr, Field(min_length=1)]
+    content: StrictStr | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _content_or_tool_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only on an assistant message with tool_calls")
+        return self
+
+
+class Trajectory(BaseModel):
+    """One trajectory as generators write it; keys beyond these are kept as they are."""
+
+    model_config = ConfigDict(extra="allow")
+
+    instance_id: InstanceId
+    uid: Annotated[StrictStr, Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    reward: FiniteNumber | dict[str, FiniteNumber] = Field(
+        description="a finite number, or named rewards (the task's reward_key picks the one trained on)"
+    )
+    extra_info: dict[str, Any] = Field(default_factory=dict)
+    task_type: Annotated[StrictStr, Field(min_length=1)] | None = None
+
+
+class StartRolloutRequest(BaseModel):
+    """The trainer's ``/start_rollout`` payload. slime sends numbers as strings: accepted."""
+
+    model_config = ConfigDict(extra="allow")
+
+    task_type: Annotated[StrictStr, Field(min_length=1)]
+    num_repeat_per_sample: int | None = Field(None, ge=1, description="the group size")
+    num_process: int | None = Field(None, ge=1, description="trajectories in flight")
+    num_epoch: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    group_timeout_seconds: float | None = Field(None, gt=0)
+    min_valid_group_size_ratio: Ratio = 1.0
+    min_valid_item_size_ratio: Ratio = 0.7
+    min_timeout_group_size_ratio: Ratio = 0.7
+    skip_instance_ids: list[InstanceId] | None = None
+    remote_engine_url: str | None = None
+    remote_buffer_url: str | None = None
+    input_file: str | None = None
+    sampling_params: dict[str, Any] | None = None
+    reward_key: str | None = None
+    restart: bool = Field(False, description="cancel the task's running job and start a new one")
+
+
+class GetRolloutDataRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    batch_size: int | None = Field(None, ge=-1, description="at most this many items, in whole groups; -1: all")
+    task_type: str | None = Field(None, description="only this task's groups; default all tasks, oldest first")
+    wait_s: float = Field(0.0, ge=0, le=300, description="wait up to this long for a group to be ready")
+
+    @field_validator("batch_size")
+    @classmethod
+    def _not_zero(cls, value: int | None) -> int | None:
+        return _batch_size(value)
+
+
+class ReadRequest(BaseModel):
+    """slime's older ``/buffer/read``: wait up to ``timeout`` for ``batch_size`` items."""
+
+    model_config = ConfigDict(extra="allow")
+
+    batch_size: int = Field(-1, ge=-1)
+    timeout: float = Field(0.0, ge=0, le=300)
+    wait: bool = False
+    task_type: str | None = None
+
+    @field_validator("batch_size")
+    @classmethod
+    def _not_zero(cls, value: int) -> int:
+        return _batch_size(value)
+
+
+def _batch_size(value: Any) -> Any:
+    if value == 0:
+        raise ValueError("must be -1 (everything ready) or at least 1")
+    return value
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def invalid_input(errors: Sequence[Any], prefix: str = "") -> InvalidInput:
+    """Turn pydantic's errors (``ValidationError.errors()``) into ``InvalidInput``, one entry
+    per field.
+
+    Union members add a segment naming the type (``content.str``); those are dropped and
+    the reasons for one field joined, so the field reads as the user wrote it.
+    """
+    reasons: dict[str, list[str]] = {}
+    for error in errors:
+        parts = [
+            str(part)
+            for part in error["loc"]
+            if not (isinstance(part, str) and (part in _UNION_TAGS or "[" in part or "-" in part))
+        ]
+        field = prefix + (".".join(parts) or "body")
+        message = error["msg"].removeprefix("Value error, ")
+        if message not in reasons.setdefault(field, []):
+            reasons[field].append(message)
+    return InvalidInput((field, " or ".join(messages)) for field, messages in reasons.items())

@@ -1,0 +1,295 @@
+"""The buffer over all tasks: routing writes, deduplicating, and reading whole groups.
+
+Plain Python, no HTTP and no event loop: the API and in-process generators both call it.
+A lock serialises every call, so generator threads may write while the event loop reads;
+each call holds it for O(1) work per trajectory written and O(groups) per group returned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from buffer.errors import InvalidInput
+from buffer.hooks import Hooks
+from buffer.stats import RewardStats
+from buffer.task import InstanceId, ReadyGroup, Record, SetAsideGroup, TaskBuffer, TaskSettings
+
+DEFAULT_TASK = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    uid: str
+    task_type: str
+    duplicate: bool
+
+
+@dataclass(slots=True)
+class ReadResult:
+    groups: list[ReadyGroup]
+    meta_info: dict[str, Any]
+
+    @property
+    def num_items(self) -> int:
+        return sum(len(group.items) for group in self.groups)
+
+
+class RolloutBuffer:
+    def __init__(
+        self,
+        default_settings: TaskSettings | None = None,
+        *,
+        hooks_for: Callable[[str], Hooks] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        dedup_window: int = 1_000_000,
+    ) -> None:
+        """``hooks_for`` gives the hooks of a task first met through a write; ``dedup_window``
+        bounds how many uids of trajectories no longer buffered are remembered."""
+        self.default_settings = default_settings or TaskSettings()
+        self._hooks_for = hooks_for or (lambda task_type: Hooks())
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._tasks: dict[str, TaskBuffer] = {}
+        self._current_task = DEFAULT_TASK
+        self._sequence = itertools.count()
+        self._uids: set[str] = set()
+        self._uid_order: deque[str] = deque()
+        self._dedup_window = dedup_window
+        self._listeners: list[Callable[[], None]] = []
+        self.duplicates = 0
+        self.total_read = 0
+
+    # -- tasks -------------------------------------------------------------------------
+
+    def configure_task(self, task_type: str, settings: TaskSettings, hooks: Hooks) -> None:
+        """Create or re-configure a task and make it the one unlabelled writes go to.
+
+        Never drops anything buffered: open groups keep their size, ready groups stay.
+        """
+        with self._lock:
+            task = self._tasks.get(task_type)
+            if task is None:
+                self._tasks[task_type] = self._new_task(task_type, settings, hooks)
+            else:
+                task.reconfigure(settings, hooks)
+            self._current_task = task_type
+
+    @property
+    def current_task(self) -> str:
+        return self._current_task
+
+    def task_types(self) -> list[str]:
+        with self._lock:
+            return list(self._tasks)
+
+    def has_task(self, task_type: str) -> bool:
+        return task_type in self._tasks
+
+    def written(self, task_type: str) -> int:
+        with self._lock:
+            task = self._tasks.get(task_type)
+            return task.written if task else 0
+
+    def _new_task(self, task_type: str, settings: TaskSettings, hooks: Hooks) -> TaskBuffer:
+        return TaskBuffer(task_type, settings, hooks, sequence=self._sequence, on_ready=self._notify)
+
+    def _task(self, task_type: str) -> TaskBuffer:
+        task = self._tasks.get(task_type)
+        if task is None:
+            task = self._tasks[task_type] = self._new_task(
+                task_type, self.default_settings, self._hooks_for(task_type)
+            )
+        return task
+
+    # -- writes ------------------------------------------------------------------------
+
+    def write(self, item: dict[str, Any]) -> WriteResult:
+        """Buffer one validated trajectory. A uid seen before is accepted and not counted again."""
+        return self.write_many([item], numbered=False)[0]
+
+    def write_many(self, items: Iterable[dict[str, Any]], *, numbered: bool = True) -> list[WriteResult]:
+        """Buffer many trajectories, all or none: a bad one raises before any is written.
+
+        Errors name the field as ``<index>.<field>`` when ``numbered``."""
+        with self._lock:
+            now = self._clock()
+            prepared = [self._prepare(f"{index}." if numbered else "", item) for index, item in enumerate(items)]
+            results = []
+            touched: set[TaskBuffer] = set()
+            for task, instance_id, record in prepared:
+                if record.uid in self._uids:
+                    self.duplicates += 1
+                    results.append(WriteResult(record.uid, task.task_type, duplicate=True))
+                    continue
+                self._remember(record.uid)
+                task.add(instance_id, record, now)
+                touched.add(task)
+                results.append(WriteResult(record.uid, task.task_type, duplicate=False))
+            for task in touched:
+                task.expire(now)
+            return results
+
+    def _prepare(self, prefix: str, item: dict[str, Any]) -> tuple[TaskBuffer, InstanceId, Record]:
+        task = self._task(item.get("task_type") or self._current_task)
+        reward = item["reward"]
+        if isinstance(reward, dict):
+            scalar = _scalar_reward(prefix + "reward", reward, task.settings.reward_key)
+            item = {**item, "reward": scalar, "rewards": reward}
+            reward = scalar
+        uid = item.get("uid")
+        if not uid:
+            uid = str(uuid.uuid4())
+            item = {**item, "uid": uid}
+        if "extra_info" not in item:
+            item = {**item, "extra_info": {}}
+        return task, item["instance_id"], Record(uid, float(reward), orjson.dumps(item))
+
+    def _remember(self, uid: str) -> None:
+        self._uids.add(uid)
+        self._uid_order.append(uid)
+        if len(self._uid_order) > self._dedup_window:
+            self._uids.discard(self._uid_order.popleft())
+
+    # -- reads -------------------------------------------------------------------------
+
+    def read(self, task_type: str | None = None, max_items: int | None = None) -> ReadResult:
+        """Take ready groups, oldest first, whole: as many as fit in ``max_items`` (all when
+        ``None``) but at least one. A read that returns groups starts a new statistics window;
+        one that returns none reports the statistics so far and keeps them."""
+        with self._lock:
+            tasks = self._covered(task_type)
+            self._expire(tasks)
+            groups: list[ReadyGroup] = []
+            taken = 0
+            while True:
+                heads = [task for task in tasks if task.ready]
+                if not heads:
+                    break
+                task = min(heads, key=lambda t: t.ready[0].seq)
+                size = len(task.ready[0].items)
+                if groups and max_items is not None and taken + size > max_items:
+                    break
+                groups.append(task.pop_ready())
+                taken += size
+            meta = self._meta_info(tasks)
+            if not groups:
+                meta["finished_groups"] = []
+                meta["discarded_groups"] = {}
+                return ReadResult([], meta)
+            finished: list[InstanceId] = []
+            discarded: Counter[str] = Counter()
+            for task in tasks:
+                task_finished, task_discarded = task.reset_window()
+                finished.extend(task_finished)
+                discarded.update(task_discarded)
+            meta["finished_groups"] = finished
+            meta["discarded_groups"] = dict(discarded)
+            meta["returned_groups"] = len(groups)
+            self.total_read += taken
+            return ReadResult(groups, meta)
+
+    def peek(self, task_type: str | None = None, max_items: int | None = None) -> list[ReadyGroup]:
+        """The groups a read would return, left in place."""
+        with self._lock:
+            tasks = self._covered(task_type)
+            self._expire(tasks)
+            ready = sorted((group for task in tasks for group in task.ready), key=lambda g: g.seq)
+            chosen: list[ReadyGroup] = []
+            taken = 0
+            for group in ready:
+                if chosen and max_items is not None and taken + len(group.items) > max_items:
+                    break
+                chosen.append(group)
+                taken += len(group.items)
+            return chosen
+
+    def ready_items(self, task_type: str | None = None) -> int:
+        with self._lock:
+            tasks = self._covered(task_type)
+            self._expire(tasks)
+            return sum(task.ready_items for task in tasks)
+
+    def expire(self) -> int:
+        """Finish every group that has timed out, in every task; returns how many."""
+        with self._lock:
+            return self._expire(list(self._tasks.values()))
+
+    def _expire(self, tasks: list[TaskBuffer]) -> int:
+        now = self._clock()
+        return sum(task.expire(now) for task in tasks)
+
+    def _covered(self, task_type: str | None) -> list[TaskBuffer]:
+        if task_type is None:
+            return list(self._tasks.values())
+        task = self._tasks.get(task_type)
+        return [task] if task else []
+
+    def _meta_info(self, tasks: list[TaskBuffer]) -> dict[str, Any]:
+        active = [task for task in tasks if task.window.count or "get_group_data_meta_info" in task.hooks.overridden]
+        if len(active) == 1:
+            return active[0].window_meta_info()
+        merged = RewardStats()
+        for task in active:
+            merged = merged.merge(task.window)
+        meta = merged.meta_info(sum(len(task.window_instances) for task in active))
+        if len(active) > 1:
+            meta["tasks"] = {task.task_type: task.window_meta_info() for task in active}
+        return meta
+
+    # -- observation -------------------------------------------------------------------
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (under the buffer's lock: keep it short) whenever a group becomes ready."""
+        self._listeners.append(listener)
+
+    def _notify(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    def set_aside(self, task_type: str | None = None) -> list[SetAsideGroup]:
+        with self._lock:
+            return [group for task in self._covered(task_type) for group in task.set_aside]
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            self._expire(list(self._tasks.values()))
+            tasks = {name: task.counters() for name, task in self._tasks.items()}
+            return {
+                "current_task": self._current_task,
+                "current_size": sum(t["ready_items"] for t in tasks.values()),
+                "pending_items": sum(t["pending_items"] for t in tasks.values()),
+                "total_written": sum(t["total_written"] for t in tasks.values()),
+                "total_read": self.total_read,
+                "duplicates": self.duplicates,
+                "tasks": tasks,
+            }
+
+
+def _scalar_reward(field: str, reward: dict[str, Any], reward_key: str | None) -> float:
+    """The number a dict of named rewards is trained on: ``reward_key``'s, or the only one."""
+    if reward_key is not None:
+        if reward_key not in reward:
+            raise InvalidInput.one(
+                field, f"has no key {reward_key!r} (the task's reward_key); keys: {sorted(reward)}"
+            )
+        value = reward[reward_key]
+    elif len(reward) == 1:
+        (value,) = reward.values()
+    else:
+        raise InvalidInput.one(
+            field,
+            f"names several rewards {sorted(reward)}; set reward_key in /start_rollout to choose one",
+        )
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidInput.one(field, f"the chosen reward {value!r} is not a finite number")
+    return float(value)

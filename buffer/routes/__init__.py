@@ -1,0 +1,1 @@
+"""The HTTP routes: thin layers that parse a request, call the core and shape the answer."""

@@ -1,0 +1,93 @@
+"""What the trainer calls: ``/start_rollout`` and ``/get_rollout_data``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends
+from starlette.responses import Response
+
+from buffer.models import GetRolloutDataRequest, StartRolloutRequest
+from buffer.responses import items_response, json_response
+from buffer.services import Services, services
+from buffer.task import TaskSettings
+
+router = APIRouter()
+
+
+@router.post("/start_rollout")
+async def start_rollout(body: StartRolloutRequest, svc: Annotated[Services, Depends(services)]) -> Response:
+    """Start the task's generator in the background; buffered data is never dropped.
+
+    A task already running answers with its running job unless the payload says
+    ``"restart": true``.
+    """
+    await asyncio.to_thread(svc.registry.refresh)  # pick up new and edited generator files
+    generator = svc.registry.get(body.task_type)
+    running = svc.jobs.running(body.task_type)
+    if running is not None and not body.restart:
+        return json_response(
+            {
+                "success": True,
+                "message": "Rollout already running",
+                "task_type": body.task_type,
+                "job_id": running.id,
+                "job": svc.jobs.describe(running),
+            }
+        )
+    if running is not None:
+        await svc.jobs.cancel(running.id)
+    settings = _task_settings(body, svc.settings.default_task_settings())
+    svc.buffer.configure_task(body.task_type, settings, generator.hooks)
+    job = svc.jobs.start(generator, _generator_data(body, settings, svc.public_url()))
+    return json_response(
+        {
+            "success": True,
+            "message": "Rollout started",
+            "task_type": body.task_type,
+            "job_id": job.id,
+            "job": svc.jobs.describe(job),
+        }
+    )
+
+
+def _task_settings(body: StartRolloutRequest, defaults: TaskSettings) -> TaskSettings:
+    return TaskSettings(
+        group_size=body.num_repeat_per_sample or defaults.group_size,
+        group_timeout_s=body.group_timeout_seconds or defaults.group_timeout_s,
+        min_valid_group_size_ratio=body.min_valid_group_size_ratio,
+        min_valid_item_size_ratio=body.min_valid_item_size_ratio,
+        min_timeout_group_size_ratio=body.min_timeout_group_size_ratio,
+        reward_key=body.reward_key,
+    )
+
+
+def _generator_data(body: StartRolloutRequest, settings: TaskSettings, buffer_url: str) -> dict[str, Any]:
+    """The trainer's dict with its numbers parsed and the buffer's own defaults filled in."""
+    data = body.model_dump(exclude_none=True)
+    data.pop("restart", None)
+    data.update(
+        num_repeat_per_sample=settings.group_size,
+        group_timeout_seconds=settings.group_timeout_s,
+        remote_buffer_url=body.remote_buffer_url or buffer_url,
+    )
+    return data
+
+
+@router.post("/get_rollout_data")
+async def get_rollout_data(
+    svc: Annotated[Services, Depends(services)],
+    body: Annotated[GetRolloutDataRequest | None, Body()] = None,
+) -> Response:
+    """Take ready groups, whole and oldest first. Nothing ready is a 200 with ``success: false``."""
+    body = body or GetRolloutDataRequest()
+    svc.check_task(body.task_type)
+    if body.wait_s:
+        await svc.ready.wait_until(lambda: svc.buffer.ready_items(body.task_type) > 0, body.wait_s)
+    result = svc.buffer.read(body.task_type, None if body.batch_size in (None, -1) else body.batch_size)
+    items = (item for group in result.groups for item in group.items)
+    if not result.groups:
+        return items_response(False, "No data available to read", (), result.meta_info)
+    return items_response(True, f"Successfully read {result.num_items} items", items, result.meta_info)
+

@@ -1,0 +1,46 @@
+"""The service itself: liveness, health and the generators it found."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+from starlette.responses import Response
+
+from buffer import __version__
+from buffer.responses import envelope, json_response
+from buffer.services import Services, services
+
+router = APIRouter()
+
+
+@router.get("/")
+async def root() -> Response:
+    return json_response({"message": "Rollout Buffer Server is running", "version": __version__})
+
+
+@router.get("/health")
+async def health(svc: Annotated[Services, Depends(services)]) -> Response:
+    return json_response(
+        {
+            "status": "ok",
+            "version": __version__,
+            "tasks": svc.buffer.task_types(),
+            "generators": sorted(svc.registry.generators),
+            "generator_errors": len(svc.registry.errors),
+        }
+    )
+
+
+@router.get("/generators")
+async def generators(svc: Annotated[Services, Depends(services)]) -> Response:
+    """Every discovered task with its file and overridden hooks, and every file that failed."""
+    await asyncio.to_thread(svc.registry.refresh)
+    found = [generator.describe() for generator in svc.registry.generators.values()]
+    errors = [error.describe() for error in svc.registry.errors]
+    return envelope(
+        True,
+        f"{len(found)} generators, {len(errors)} failed to load",
+        {"generator_dir": str(svc.registry.directory), "generators": found, "errors": errors},
+    )

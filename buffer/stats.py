@@ -1,0 +1,68 @@
+"""Reward statistics kept incrementally: O(1) per reward, mergeable across tasks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class RewardStats:
+    """Count, mean, spread and range of a stream of rewards (Welford's method)."""
+
+    count: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+    minimum: float = math.inf
+    maximum: float = -math.inf
+
+    def add(self, reward: float) -> None:
+        self.count += 1
+        delta = reward - self.mean
+        self.mean += delta / self.count
+        self.m2 += delta * (reward - self.mean)
+        self.minimum = min(self.minimum, reward)
+        self.maximum = max(self.maximum, reward)
+
+    def merge(self, other: RewardStats) -> RewardStats:
+        """A new accumulator over both streams (Chan et al.'s parallel update)."""
+        if not other.count:
+            return RewardStats(self.count, self.mean, self.m2, self.minimum, self.maximum)
+        if not self.count:
+            return RewardStats(other.count, other.mean, other.m2, other.minimum, other.maximum)
+        count = self.count + other.count
+        delta = other.mean - self.mean
+        return RewardStats(
+            count=count,
+            mean=self.mean + delta * other.count / count,
+            m2=self.m2 + other.m2 + delta * delta * self.count * other.count / count,
+            minimum=min(self.minimum, other.minimum),
+            maximum=max(self.maximum, other.maximum),
+        )
+
+    @property
+    def sample_std(self) -> float:
+        return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 0.0
+
+    def meta_info(self, num_groups: int) -> dict[str, Any]:
+        """The statistics in the shape of ``default_func.get_group_data_meta_info``."""
+        if not self.count:
+            return {
+                "total_samples": 0,
+                "num_groups": 0,
+                "avg_group_size": 0,
+                "avg_reward": 0,
+                "reward_std": 0,
+                "reward_min": 0,
+                "reward_max": 0,
+            }
+        return {
+            "total_samples": self.count,
+            "num_groups": num_groups,
+            "avg_group_size": self.count / num_groups if num_groups else 0,
+            "avg_reward": self.mean,
+            "reward_std": self.sample_std,
+            "reward_min": self.minimum,
+            "reward_max": self.maximum,
+        }

@@ -1,0 +1,1 @@
+"""Task plug-ins: every *_generator.py here is discovered by the service."""
