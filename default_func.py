@@ -52,7 +52,11 @@ def filter_item(item: Item, task_type: str) -> bool:
 
     Failed trajectories carry ``FAILURE_REWARD`` and are dropped here.
     """
-    return "instance_id" in item and isinstance(item.get("messages"), list) and is_valid_reward(item.get("reward"))
+    return (
+        "instance_id" in item
+        and isinstance(item.get("messages"), list)
+        and is_valid_reward(item.get("reward"))
+    )
 
 
 def is_valid_group(group: Group, min_valid_group_size: int, task_type: str) -> tuple[bool, bool]:
@@ -88,7 +92,7 @@ def normalize_group_data(group: Group, epsilon: float = 1e-8, algo: str = "grpo"
             normalized = [0.0 if is_valid_reward(r) else r for r in rewards]
         else:
             normalized = [(r - mean) / (std + epsilon) if is_valid_reward(r) else r for r in rewards]
-    for item, raw, new in zip(items, rewards, normalized):
+    for item, raw, new in zip(items, rewards, normalized, strict=True):
         item["raw_reward"] = raw
         item["reward"] = new
     return instance_id, items
@@ -109,7 +113,7 @@ def pad_group_data(group: Group, group_size: int) -> Group:
     pads = group_size - n
     # Item i ends up in copies[i] places (itself included); the first pads % n get one more.
     copies = [1 + pads // n + (i < pads % n) for i in range(n)]
-    for item, count in zip(items, copies):
+    for item, count in zip(items, copies, strict=True):
         item["reward"] = item["reward"] * group_size / n / count
     padded = list(items)
     for k in range(pads):

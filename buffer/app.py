@@ -44,7 +44,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         buffer.add_listener(ready.notify)
         job_manager = JobManager(buffer.written)
         app.state.services = Services(settings, buffer, registry, job_manager, ready)
-        sweeper = asyncio.create_task(_sweep_timeouts(buffer, settings.sweep_interval_s), name="timeout-sweeper")
+        sweeper = asyncio.create_task(
+            _sweep_timeouts(buffer, settings.sweep_interval_s), name="timeout-sweeper"
+        )
         logger.info(
             "rollout buffer %s: generators from %s: %s",
             __version__,

@@ -42,7 +42,9 @@ def positional_arity(spec: HookSpec, fn: Any) -> int:
         except TypeError:
             continue
         return count
-    forms = " or ".join(f"({', '.join(spec.params[:n])})" for n in range(len(spec.params), spec.min_params - 1, -1))
+    forms = " or ".join(
+        f"({', '.join(spec.params[:n])})" for n in range(len(spec.params), spec.min_params - 1, -1)
+    )
     raise TypeError(f"{spec.name}{signature} has the wrong parameters: expected {forms}")
 
 

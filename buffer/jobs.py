@@ -13,8 +13,10 @@ return. An async generator is cancelled outright.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import enum
+import functools
 import itertools
 import logging
 import threading
@@ -144,7 +146,10 @@ class JobManager:
             del self._jobs[oldest]
 
     def running(self, task_type: str) -> Job | None:
-        return next((job for job in reversed(self._jobs.values()) if job.task_type == task_type and not job.done), None)
+        return next(
+            (job for job in reversed(self._jobs.values()) if job.task_type == task_type and not job.done),
+            None,
+        )
 
     def get(self, job_id: str) -> Job:
         try:
@@ -187,18 +192,16 @@ async def _run_in_own_thread(fn: Callable[[dict[str, Any]], Any], data: dict[str
             outcome()
 
     def deliver(outcome: Callable[[], None]) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: the service stopped first
             loop.call_soon_threadsafe(settle, outcome)
-        except RuntimeError:  # the loop has closed: the service stopped first
-            pass
 
     def target() -> None:
         try:
             result = context.run(fn, data)
         except BaseException as exc:
-            deliver(lambda: future.set_exception(exc))
+            deliver(functools.partial(future.set_exception, exc))
         else:
-            deliver(lambda: future.set_result(result))
+            deliver(functools.partial(future.set_result, result))
 
     threading.Thread(target=target, name=name, daemon=True).start()
     return await future

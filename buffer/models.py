@@ -7,7 +7,7 @@ reason; nothing is buffered from a request that fails.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictStr, field_validator, model_validator
 
@@ -80,8 +80,12 @@ class StartRolloutRequest(BaseModel):
 class GetRolloutDataRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    batch_size: int | None = Field(None, ge=-1, description="at most this many items, in whole groups; -1: all")
-    task_type: str | None = Field(None, description="only this task's groups; default all tasks, oldest first")
+    batch_size: int | None = Field(
+        None, ge=-1, description="at most this many items, in whole groups; -1: all"
+    )
+    task_type: str | None = Field(
+        None, description="only this task's groups; default all tasks, oldest first"
+    )
     wait_s: float = Field(0.0, ge=0, le=300, description="wait up to this long for a group to be ready")
 
     @field_validator("batch_size")
@@ -106,7 +110,10 @@ class ReadRequest(BaseModel):
         return _batch_size(value)
 
 
-def _batch_size(value: Any) -> Any:
+_N = TypeVar("_N", int, int | None)
+
+
+def _batch_size(value: _N) -> _N:
     if value == 0:
         raise ValueError("must be -1 (everything ready) or at least 1")
     return value

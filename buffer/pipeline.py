@@ -91,7 +91,9 @@ def _process(
     if timed_out:
         # A timed-out group is as complete as it will get: judge its quality, not its size.
         min_valid_group_size = min(min_valid_group_size, len(items))
-    verdict = _call("is_valid_group", hooks.is_valid_group, (instance_id, items), min_valid_group_size, task_type)
+    verdict = _call(
+        "is_valid_group", hooks.is_valid_group, (instance_id, items), min_valid_group_size, task_type
+    )
     if not _is_valid(verdict):
         return Discarded(INVALID_GROUP)
 
@@ -99,12 +101,16 @@ def _process(
     if len(kept) < max(1, int(rules.min_valid_item_size_ratio * size)):
         return Discarded(TOO_FEW_VALID_ITEMS)
 
-    group = _group("normalize_group_data", _call("normalize_group_data", hooks.normalize_group_data, (instance_id, kept)))
+    group = _group(
+        "normalize_group_data", _call("normalize_group_data", hooks.normalize_group_data, (instance_id, kept))
+    )
     group = _group("pad_group_data", _call("pad_group_data", hooks.pad_group_data, group, size))
     group = _group("transform_group", _call("transform_group", hooks.transform_group, group, task_type))
     final = group[1]
     if len(final) != size:
-        raise _HookBroke("pad_group_data", f"the group has {len(final)} items after the hooks, expected {size}")
+        raise _HookBroke(
+            "pad_group_data", f"the group has {len(final)} items after the hooks, expected {size}"
+        )
     _check_items(final)
     _give_distinct_uids(final)
     try:
@@ -147,7 +153,9 @@ def _check_items(items: list[dict[str, Any]]) -> None:
             raise _HookBroke("transform_group", f"item {index} lacks {', '.join(missing)}")
         reward = item["reward"]
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise _HookBroke("normalize_group_data", f"item {index} has reward {reward!r}, not a finite number")
+            raise _HookBroke(
+                "normalize_group_data", f"item {index} has reward {reward!r}, not a finite number"
+            )
 
 
 def _give_distinct_uids(items: list[dict[str, Any]]) -> None:

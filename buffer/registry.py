@@ -120,7 +120,12 @@ class GeneratorRegistry:
             names = ", ".join(str(g.path) for g in found)
             for generator in found:
                 errors.append(
-                    LoadError(generator.path, "duplicate", f"TASK_TYPE {task_type!r} is defined by {names}", task_type)
+                    LoadError(
+                        generator.path,
+                        "duplicate",
+                        f"TASK_TYPE {task_type!r} is defined by {names}",
+                        task_type,
+                    )
                 )
         for error in errors:
             if not any(error == old for old in self._errors):
@@ -203,7 +208,10 @@ def _declared_task_type(path: Path) -> str:
     for node in tree.body:
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(t, ast.Name) and t.id == "TASK_TYPE" for t in targets) and node.value is not None:
+            if (
+                any(isinstance(t, ast.Name) and t.id == "TASK_TYPE" for t in targets)
+                and node.value is not None
+            ):
                 try:
                     value = ast.literal_eval(node.value)
                 except ValueError:

@@ -21,7 +21,9 @@ def envelope(success: bool, message: str, data: Any = None, status_code: int = 2
     return json_response({"success": success, "message": message, "data": data, **extra}, status_code)
 
 
-def items_response(success: bool, message: str, items: Iterable[bytes], meta_info: dict[str, Any]) -> Response:
+def items_response(
+    success: bool, message: str, items: Iterable[bytes], meta_info: dict[str, Any]
+) -> Response:
     """``{"success", "message", "data": {"data": [items], "meta_info"}}`` from encoded items."""
     body = b"".join(
         (

@@ -123,7 +123,9 @@ class RolloutBuffer:
         Errors name the field as ``<index>.<field>`` when ``numbered``."""
         with self._lock:
             now = self._clock()
-            prepared = [self._prepare(f"{index}." if numbered else "", item) for index, item in enumerate(items)]
+            prepared = [
+                self._prepare(f"{index}." if numbered else "", item) for index, item in enumerate(items)
+            ]
             results = []
             touched: set[TaskBuffer] = set()
             for task, instance_id, record in prepared:
@@ -235,7 +237,9 @@ class RolloutBuffer:
         return [task] if task else []
 
     def _meta_info(self, tasks: list[TaskBuffer]) -> dict[str, Any]:
-        active = [task for task in tasks if task.window.count or "get_group_data_meta_info" in task.hooks.overridden]
+        active = [
+            task for task in tasks if task.window.count or "get_group_data_meta_info" in task.hooks.overridden
+        ]
         if len(active) == 1:
             return active[0].window_meta_info()
         merged = RewardStats()

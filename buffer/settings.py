@@ -26,7 +26,9 @@ class Settings(BaseSettings):
         extra="ignore",
     )
 
-    host: str = Field("0.0.0.0", description="interface to listen on; 0.0.0.0 as slime, 127.0.0.1 for local only")
+    host: str = Field(
+        "0.0.0.0", description="interface to listen on; 0.0.0.0 as slime, 127.0.0.1 for local only"
+    )
     port: int = Field(8889, ge=1, le=65535, description="port to listen on")
     generator_dir: Path = Field(
         DEFAULT_GENERATOR_DIR, description="folder scanned for *_generator.py task plug-ins"
@@ -37,7 +39,9 @@ class Settings(BaseSettings):
     group_timeout_seconds: float = Field(
         300.0, gt=0, description="a group with no write for this long finishes (default for every task)"
     )
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="log level"
+    )
     access_log: CliImplicitFlag[bool] = Field(False, description="log every HTTP request (costs throughput)")
     dedup_window: int = Field(
         1_000_000, ge=0, description="uids of delivered trajectories remembered to drop retried writes"

@@ -157,11 +157,17 @@ class TaskBuffer:
         if timed_out and len(group.records) / group.size < settings.min_timeout_group_size_ratio:
             outcome: Ready | Discarded | SetAside = Discarded(TIMEOUT_TOO_SMALL)
         else:
-            rules = GroupRules(group.size, settings.min_valid_group_size_ratio, settings.min_valid_item_size_ratio)
+            rules = GroupRules(
+                group.size, settings.min_valid_group_size_ratio, settings.min_valid_item_size_ratio
+            )
             items = [orjson.loads(record.raw) for record in group.records]
-            outcome = process_group(self.task_type, group.instance_id, items, rules, self.hooks, timed_out=timed_out)
+            outcome = process_group(
+                self.task_type, group.instance_id, items, rules, self.hooks, timed_out=timed_out
+            )
         if isinstance(outcome, Ready):
-            self.ready.append(ReadyGroup(next(self._sequence), self.task_type, group.instance_id, outcome.items))
+            self.ready.append(
+                ReadyGroup(next(self._sequence), self.task_type, group.instance_id, outcome.items)
+            )
             self.ready_items += len(outcome.items)
             self._on_ready()
             return
@@ -169,7 +175,9 @@ class TaskBuffer:
         if isinstance(outcome, Discarded):
             self.discarded[outcome.reason] += 1
             self.window_discarded[outcome.reason] += 1
-            logger.debug("task %s: discarded group %r (%s)", self.task_type, group.instance_id, outcome.reason)
+            logger.debug(
+                "task %s: discarded group %r (%s)", self.task_type, group.instance_id, outcome.reason
+            )
             return
         self.set_aside_total += 1
         self.window_discarded[f"hook_error:{outcome.hook}"] += 1
@@ -211,7 +219,9 @@ class TaskBuffer:
         try:
             meta = dict(self.hooks.get_group_data_meta_info(temp_data))
         except Exception as exc:
-            logger.exception("task %s: get_group_data_meta_info failed; reporting the defaults", self.task_type)
+            logger.exception(
+                "task %s: get_group_data_meta_info failed; reporting the defaults", self.task_type
+            )
             meta = self.window.meta_info(len(self.window_instances))
             meta["meta_info_error"] = f"{type(exc).__name__}: {exc}"
         return meta

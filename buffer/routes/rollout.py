@@ -90,4 +90,3 @@ async def get_rollout_data(
     if not result.groups:
         return items_response(False, "No data available to read", (), result.meta_info)
     return items_response(True, f"Successfully read {result.num_items} items", items, result.meta_info)
-

@@ -35,7 +35,10 @@ _BATCH_BODY = {
                             "type": "object",
                             "required": ["trajectories"],
                             "properties": {
-                                "trajectories": {"type": "array", "items": {"$ref": "#/components/schemas/Trajectory"}}
+                                "trajectories": {
+                                    "type": "array",
+                                    "items": {"$ref": "#/components/schemas/Trajectory"},
+                                }
                             },
                         },
                     ]
@@ -59,7 +62,9 @@ async def _json(request: Request) -> Any:
 def _validated(obj: Any, prefix: str = "") -> dict[str, Any]:
     """The trajectory dict as written (extra keys kept), once it passes validation."""
     if not isinstance(obj, dict):
-        raise InvalidInput.one(prefix.rstrip(".") or "body", f"must be a JSON object, not {type(obj).__name__}")
+        raise InvalidInput.one(
+            prefix.rstrip(".") or "body", f"must be a JSON object, not {type(obj).__name__}"
+        )
     try:
         Trajectory.model_validate(obj)
     except ValidationError as exc:
@@ -75,7 +80,9 @@ async def write(request: Request) -> Response:
     result = svc.buffer.write(_validated(await _json(request)))
     return envelope(
         True,
-        "Duplicate uid: already buffered" if result.duplicate else "Data has been successfully written to buffer",
+        "Duplicate uid: already buffered"
+        if result.duplicate
+        else "Data has been successfully written to buffer",
         {"uid": result.uid, "task_type": result.task_type, "duplicate": result.duplicate},
     )
 
@@ -88,13 +95,17 @@ async def write_batch(request: Request) -> Response:
     if isinstance(body, dict) and "trajectories" in body:
         body = body["trajectories"]
     if not isinstance(body, list):
-        raise InvalidInput.one("body", "must be a list of trajectories or {\"trajectories\": [...]}")
+        raise InvalidInput.one("body", 'must be a list of trajectories or {"trajectories": [...]}')
     results = svc.buffer.write_many([_validated(item, f"{index}.") for index, item in enumerate(body)])
     duplicates = sum(result.duplicate for result in results)
     return envelope(
         True,
         f"Wrote {len(results) - duplicates} trajectories ({duplicates} duplicates)",
-        {"uids": [result.uid for result in results], "written": len(results) - duplicates, "duplicates": duplicates},
+        {
+            "uids": [result.uid for result in results],
+            "written": len(results) - duplicates,
+            "duplicates": duplicates,
+        },
     )
 
 
@@ -104,7 +115,9 @@ async def read(svc: Annotated[Services, Depends(services)], body: Annotated[Read
     svc.check_task(body.task_type)
     limit = None if body.batch_size == -1 else body.batch_size
     if body.wait and body.timeout:
-        await svc.ready.wait_until(lambda: svc.buffer.ready_items(body.task_type) >= (limit or 1), body.timeout)
+        await svc.ready.wait_until(
+            lambda: svc.buffer.ready_items(body.task_type) >= (limit or 1), body.timeout
+        )
     result = svc.buffer.read(body.task_type, limit)
     items = [item for group in result.groups for item in group.items]
     if not items:

@@ -1,0 +1,57 @@
+"""Calls the tests make through the HTTP API, and generator sources they install."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+
+def write_all(client: TestClient, items: list[dict[str, Any]]) -> None:
+    for item in items:
+        response = client.post("/buffer/write", json=item)
+        assert response.status_code == 200, response.text
+
+
+def read(client: TestClient, body: Any = None) -> dict[str, Any]:
+    response = (
+        client.post("/get_rollout_data", json=body) if body is not None else client.post("/get_rollout_data")
+    )
+    assert response.status_code == 200, response.text
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def wait_for(condition: Callable[[], Any], timeout_s: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+def job_status(client: TestClient, job_id: str) -> str:
+    status: str = client.get(f"/jobs/{job_id}").json()["data"]["status"]
+    return status
+
+
+RECORDING = """
+import json, pathlib, threading
+TASK_TYPE = "{task}"
+
+def run_rollout(data):
+    record = dict(data, thread=threading.current_thread().name)
+    pathlib.Path(data["record_to"]).write_text(json.dumps(record))
+"""
+
+WAITING = """
+import asyncio
+TASK_TYPE = "waiting"
+
+async def run_rollout(data):
+    await asyncio.sleep(60)
+"""
