@@ -18,11 +18,11 @@ from starlette.responses import Response
 from buffer import __version__
 from buffer.errors import RolloutBufferError
 from buffer.jobs import JobManager
-from buffer.models import Trajectory, invalid_input
+from buffer.models import TRAJECTORY, invalid_input
 from buffer.registry import GeneratorRegistry
 from buffer.responses import envelope
 from buffer.rollout_buffer import RolloutBuffer
-from buffer.routes import jobs, rollout, service, trajectories
+from buffer.routes import jobs, rollout, service, trajectories, writes
 from buffer.services import Services
 from buffer.settings import Settings
 from buffer.signals import ReadySignal
@@ -61,6 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await job_manager.shutdown()
 
     app = FastAPI(title="rollout-buffer", version=__version__, lifespan=lifespan)
+    app.router.routes[:0] = writes.ROUTES  # first: matched before any other route is tried
     for module in (rollout, trajectories, jobs, service):
         app.include_router(module.router)
     app.add_exception_handler(RolloutBufferError, _buffer_error)
@@ -106,11 +107,12 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema, plus the trajectory models the hot routes validate by hand."""
+    """FastAPI's schema, plus the hot write routes and the trajectory schema they validate."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schema["paths"].update(writes.OPENAPI_PATHS)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        trajectory = Trajectory.model_json_schema(ref_template="#/components/schemas/{model}")
+        trajectory = TRAJECTORY.json_schema(ref_template="#/components/schemas/{model}")
         components.update(trajectory.pop("$defs", {}))
         components["Trajectory"] = trajectory
         app.openapi_schema = schema

@@ -9,49 +9,85 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictStr, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
+from typing_extensions import NotRequired, TypedDict
 
 from buffer.errors import InvalidInput
+
+_T = TypeVar("_T")
+_N = TypeVar("_N", int, int | None)
 
 FiniteNumber = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 InstanceId = Annotated[StrictStr, Field(min_length=1)] | Annotated[int, Strict()]
 Ratio = Annotated[float, Field(ge=0, le=1)]
 
+# Trajectories are TypedDicts, not models: pydantic validates them straight from the request
+# bytes into plain dicts (extra keys kept), the form the buffer stores, in one pass.
 
-class ContentPart(BaseModel):
+
+class ContentPart(TypedDict):
     """One part of a multimodal message: ``{"type": "text", "text": ...}``, an image, ..."""
 
-    model_config = ConfigDict(extra="allow")
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
     type: StrictStr
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(TypedDict):
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
     role: Annotated[StrictStr, Field(min_length=1)]
-    content: StrictStr | list[ContentPart] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-
-    @model_validator(mode="after")
-    def _content_or_tool_calls(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content may be null only on an assistant message with tool_calls")
-        return self
+    content: NotRequired[StrictStr | list[ContentPart] | None]
+    tool_calls: NotRequired[list[dict[str, Any]] | None]
 
 
-class Trajectory(BaseModel):
+def _content_or_tool_calls(message: ChatMessage) -> ChatMessage:
+    if message.get("content") is None and not (message["role"] == "assistant" and message.get("tool_calls")):
+        raise ValueError("content may be null only on an assistant message with tool_calls")
+    return message
+
+
+CheckedMessage = Annotated[ChatMessage, AfterValidator(_content_or_tool_calls)]
+
+
+class Trajectory(TypedDict):
     """One trajectory as generators write it; keys beyond these are kept as they are."""
 
-    model_config = ConfigDict(extra="allow")
-
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
     instance_id: InstanceId
-    uid: Annotated[StrictStr, Field(min_length=1)] | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    reward: FiniteNumber | dict[str, FiniteNumber] = Field(
-        description="a finite number, or named rewards (the task's reward_key picks the one trained on)"
-    )
-    extra_info: dict[str, Any] = Field(default_factory=dict)
-    task_type: Annotated[StrictStr, Field(min_length=1)] | None = None
+    uid: NotRequired[Annotated[StrictStr, Field(min_length=1)] | None]
+    messages: Annotated[list[CheckedMessage], Field(min_length=1)]
+    #: A finite number, or named rewards (the task's ``reward_key`` picks the one trained on).
+    reward: FiniteNumber | dict[str, FiniteNumber]
+    extra_info: NotRequired[dict[str, Any]]
+    task_type: NotRequired[Annotated[StrictStr, Field(min_length=1)] | None]
+
+
+class TrajectoryBatch(TypedDict):
+    trajectories: list[Trajectory]
+
+
+TRAJECTORY = TypeAdapter(Trajectory)
+TRAJECTORIES = TypeAdapter(list[Trajectory])
+TRAJECTORY_BATCH = TypeAdapter(TrajectoryBatch)
+
+
+def parse_json(adapter: TypeAdapter[_T], body: bytes) -> _T:
+    """Parse and validate a request body; errors become ``InvalidInput`` naming each field."""
+    if not body.strip():
+        raise InvalidInput.one("body", "is empty; expected JSON")
+    try:
+        return adapter.validate_json(body)
+    except ValidationError as exc:
+        raise invalid_input(exc.errors(include_url=False, include_input=False)) from None
 
 
 class StartRolloutRequest(BaseModel):
@@ -108,9 +144,6 @@ class ReadRequest(BaseModel):
     @classmethod
     def _not_zero(cls, value: int) -> int:
         return _batch_size(value)
-
-
-_N = TypeVar("_N", int, int | None)
 
 
 def _batch_size(value: _N) -> _N:

@@ -13,8 +13,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
+from buffer import encoding
 from buffer.hooks import Hooks
 
 REQUIRED_KEYS = ("uid", "instance_id", "messages", "reward", "extra_info")
@@ -114,7 +113,7 @@ def _process(
     _check_items(final)
     _give_distinct_uids(final)
     try:
-        return Ready([orjson.dumps(item) for item in final])
+        return Ready([encoding.dumps(item) for item in final])
     except TypeError as exc:  # orjson.JSONEncodeError is a TypeError
         raise _HookBroke("transform_group", f"an item cannot be encoded as JSON: {exc}") from exc
 

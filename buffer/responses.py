@@ -6,7 +6,7 @@ instead of decoding and re-encoding every trajectory.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -22,20 +22,15 @@ def envelope(success: bool, message: str, data: Any = None, status_code: int = 2
 
 
 def items_response(
-    success: bool, message: str, items: Iterable[bytes], meta_info: dict[str, Any]
+    success: bool, message: str, items: Sequence[bytes], meta_info: dict[str, Any]
 ) -> Response:
-    """``{"success", "message", "data": {"data": [items], "meta_info"}}`` from encoded items."""
-    body = b"".join(
-        (
-            b'{"success":',
-            b"true" if success else b"false",
-            b',"message":',
-            orjson.dumps(message),
-            b',"data":{"data":[',
-            b",".join(items),
-            b'],"meta_info":',
-            orjson.dumps(meta_info),
-            b"}}",
-        )
-    )
-    return Response(body, media_type="application/json")
+    """``{"success", "message", "data": {"data": [items], "meta_info"}}`` from encoded items,
+    joined in one copy: a read of a thousand groups is some 16 MB."""
+    parts = [b'{"success":', b"true" if success else b"false", b',"message":', orjson.dumps(message)]
+    parts.append(b',"data":{"data":[')
+    for index, item in enumerate(items):
+        if index:
+            parts.append(b",")
+        parts.append(item)
+    parts += [b'],"meta_info":', orjson.dumps(meta_info), b"}}"]
+    return Response(b"".join(parts), media_type="application/json")

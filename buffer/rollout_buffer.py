@@ -13,12 +13,11 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
+from buffer import encoding
 from buffer.errors import InvalidInput
 from buffer.hooks import Hooks
 from buffer.stats import RewardStats
@@ -113,11 +112,11 @@ class RolloutBuffer:
 
     # -- writes ------------------------------------------------------------------------
 
-    def write(self, item: dict[str, Any]) -> WriteResult:
+    def write(self, item: Mapping[str, Any]) -> WriteResult:
         """Buffer one validated trajectory. A uid seen before is accepted and not counted again."""
         return self.write_many([item], numbered=False)[0]
 
-    def write_many(self, items: Iterable[dict[str, Any]], *, numbered: bool = True) -> list[WriteResult]:
+    def write_many(self, items: Iterable[Mapping[str, Any]], *, numbered: bool = True) -> list[WriteResult]:
         """Buffer many trajectories, all or none: a bad one raises before any is written.
 
         Errors name the field as ``<index>.<field>`` when ``numbered``."""
@@ -141,7 +140,7 @@ class RolloutBuffer:
                 task.expire(now)
             return results
 
-    def _prepare(self, prefix: str, item: dict[str, Any]) -> tuple[TaskBuffer, InstanceId, Record]:
+    def _prepare(self, prefix: str, item: Mapping[str, Any]) -> tuple[TaskBuffer, InstanceId, Record]:
         task = self._task(item.get("task_type") or self._current_task)
         reward = item["reward"]
         if isinstance(reward, dict):
@@ -154,7 +153,7 @@ class RolloutBuffer:
             item = {**item, "uid": uid}
         if "extra_info" not in item:
             item = {**item, "extra_info": {}}
-        return task, item["instance_id"], Record(uid, float(reward), orjson.dumps(item))
+        return task, item["instance_id"], Record(uid, float(reward), encoding.dumps(item))
 
     def _remember(self, uid: str) -> None:
         self._uids.add(uid)

@@ -22,8 +22,10 @@ class RewardStats:
         delta = reward - self.mean
         self.mean += delta / self.count
         self.m2 += delta * (reward - self.mean)
-        self.minimum = min(self.minimum, reward)
-        self.maximum = max(self.maximum, reward)
+        if reward < self.minimum:  # comparisons, not min()/max(): this runs on every write
+            self.minimum = reward
+        if reward > self.maximum:
+            self.maximum = reward
 
     def merge(self, other: RewardStats) -> RewardStats:
         """A new accumulator over both streams (Chan et al.'s parallel update)."""

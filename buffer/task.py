@@ -16,10 +16,9 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-import orjson
-
+from buffer import encoding
 from buffer.hooks import Hooks
 from buffer.pipeline import TIMEOUT_TOO_SMALL, Discarded, GroupRules, Ready, SetAside, process_group
 from buffer.stats import RewardStats
@@ -41,9 +40,12 @@ class TaskSettings:
     reward_key: str | None = None
 
 
-@dataclass(slots=True)
-class Record:
-    """One buffered trajectory: its JSON, and the two fields the buffer itself reads."""
+class Record(NamedTuple):
+    """One buffered trajectory: its JSON, and the two fields the buffer itself reads.
+
+    A tuple of atomic values, so the garbage collector stops tracking it: a buffer of a
+    million trajectories adds nothing to each full collection.
+    """
 
     uid: str
     reward: float
@@ -95,6 +97,8 @@ class TaskBuffer:
         self.task_type = task_type
         self.settings = settings
         self.hooks = hooks
+        # A custom meta hook needs the trajectories written since the last read; the default doesn't.
+        self._keep_window_records = "get_group_data_meta_info" in hooks.overridden
         self._sequence = sequence
         self._on_ready = on_ready
         self.open: OrderedDict[InstanceId, OpenGroup] = OrderedDict()
@@ -119,6 +123,7 @@ class TaskBuffer:
         """New settings apply to groups opened from now on; open groups keep their size."""
         self.settings = settings
         self.hooks = hooks
+        self._keep_window_records = "get_group_data_meta_info" in hooks.overridden
 
     def add(self, instance_id: InstanceId, record: Record, now: float) -> None:
         group = self.open.get(instance_id)
@@ -132,7 +137,7 @@ class TaskBuffer:
         self.written += 1
         self.window.add(record.reward)
         self.window_instances.add(instance_id)
-        if "get_group_data_meta_info" in self.hooks.overridden:
+        if self._keep_window_records:
             self.window_records.append((instance_id, record))
         if len(group.records) >= group.size:
             del self.open[instance_id]
@@ -160,7 +165,7 @@ class TaskBuffer:
             rules = GroupRules(
                 group.size, settings.min_valid_group_size_ratio, settings.min_valid_item_size_ratio
             )
-            items = [orjson.loads(record.raw) for record in group.records]
+            items = [encoding.loads(record.raw) for record in group.records]
             outcome = process_group(
                 self.task_type, group.instance_id, items, rules, self.hooks, timed_out=timed_out
             )
@@ -215,7 +220,7 @@ class TaskBuffer:
             return self.window.meta_info(len(self.window_instances))
         temp_data: dict[InstanceId, list[dict[str, Any]]] = {}
         for instance_id, record in self.window_records:
-            temp_data.setdefault(instance_id, []).append(orjson.loads(record.raw))
+            temp_data.setdefault(instance_id, []).append(encoding.loads(record.raw))
         try:
             meta = dict(self.hooks.get_group_data_meta_info(temp_data))
         except Exception as exc:

@@ -36,7 +36,7 @@ def test_a_write_answers_with_the_uid_not_the_trajectory(client: TestClient) -> 
         ({"reward": "high"}, "reward", "valid number"),
         ({"reward": True}, "reward", "valid number"),
         ({"messages": []}, "messages", "at least 1 item"),
-        ({"messages": "hello"}, "messages", "valid list"),
+        ({"messages": "hello"}, "messages", "valid array"),
         ({"messages": [{"role": "user"}]}, "messages.0", "content may be null only on an assistant message"),
         (
             {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]},
@@ -48,7 +48,7 @@ def test_a_write_answers_with_the_uid_not_the_trajectory(client: TestClient) -> 
             "messages.0.content.0.type",
             "required",
         ),
-        ({"extra_info": []}, "extra_info", "valid dictionary"),
+        ({"extra_info": []}, "extra_info", "an object"),
     ],
 )
 def test_bad_trajectories_get_a_422_naming_the_field(
@@ -95,11 +95,11 @@ def test_bad_json_and_wrong_bodies_are_refused_clearly(client: TestClient) -> No
     )
     assert response.status_code == 422
     assert response.json()["errors"][0]["field"] == "body"
-    assert "not valid JSON" in response.json()["message"]
+    assert "Invalid JSON" in response.json()["message"]
     assert client.post("/buffer/write", content=b"").status_code == 422
     response = client.post("/buffer/write", json=[trajectory()])
     assert response.status_code == 422
-    assert response.json()["message"] == "body: must be a JSON object, not list"
+    assert response.json()["errors"] == [{"field": "body", "reason": "Input should be an object"}]
 
 
 def test_bad_input_touches_nothing_already_buffered(client: TestClient) -> None:

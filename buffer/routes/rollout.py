@@ -86,7 +86,7 @@ async def get_rollout_data(
     if body.wait_s:
         await svc.ready.wait_until(lambda: svc.buffer.ready_items(body.task_type) > 0, body.wait_s)
     result = svc.buffer.read(body.task_type, None if body.batch_size in (None, -1) else body.batch_size)
-    items = (item for group in result.groups for item in group.items)
+    items = [item for group in result.groups for item in group.items]
     if not result.groups:
         return items_response(False, "No data available to read", (), result.meta_info)
     return items_response(True, f"Successfully read {result.num_items} items", items, result.meta_info)

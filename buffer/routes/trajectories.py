@@ -1,112 +1,18 @@
-"""Writing trajectories, and slime's older buffer routes: read, peek, stats."""
+"""slime's older buffer routes: read, peek, stats; and the groups set aside."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
-import orjson
 from fastapi import APIRouter, Body, Depends, Query
-from pydantic import ValidationError
-from starlette.requests import Request
 from starlette.responses import Response
 
-from buffer.errors import InvalidInput
-from buffer.models import ReadRequest, Trajectory, invalid_input
+from buffer import encoding
+from buffer.models import ReadRequest
 from buffer.responses import envelope, items_response
 from buffer.services import Services, services
 
 router = APIRouter()
-
-_TRAJECTORY_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Trajectory"}}},
-    }
-}
-_BATCH_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {
-                    "oneOf": [
-                        {"type": "array", "items": {"$ref": "#/components/schemas/Trajectory"}},
-                        {
-                            "type": "object",
-                            "required": ["trajectories"],
-                            "properties": {
-                                "trajectories": {
-                                    "type": "array",
-                                    "items": {"$ref": "#/components/schemas/Trajectory"},
-                                }
-                            },
-                        },
-                    ]
-                }
-            }
-        },
-    }
-}
-
-
-async def _json(request: Request) -> Any:
-    body = await request.body()
-    if not body.strip():
-        raise InvalidInput.one("body", "is empty; expected JSON")
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidInput.one("body", f"is not valid JSON: {exc}") from None
-
-
-def _validated(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """The trajectory dict as written (extra keys kept), once it passes validation."""
-    if not isinstance(obj, dict):
-        raise InvalidInput.one(
-            prefix.rstrip(".") or "body", f"must be a JSON object, not {type(obj).__name__}"
-        )
-    try:
-        Trajectory.model_validate(obj)
-    except ValidationError as exc:
-        raise invalid_input(exc.errors(include_url=False, include_input=False), prefix) from None
-    return obj
-
-
-# The hot path: parsed and validated by hand, so nothing is decoded twice.
-@router.post("/buffer/write", openapi_extra=_TRAJECTORY_BODY)
-async def write(request: Request) -> Response:
-    """Buffer one trajectory. A retried write (same ``uid``) is accepted and counted once."""
-    svc: Services = request.app.state.services
-    result = svc.buffer.write(_validated(await _json(request)))
-    return envelope(
-        True,
-        "Duplicate uid: already buffered"
-        if result.duplicate
-        else "Data has been successfully written to buffer",
-        {"uid": result.uid, "task_type": result.task_type, "duplicate": result.duplicate},
-    )
-
-
-@router.post("/buffer/write_batch", openapi_extra=_BATCH_BODY)
-async def write_batch(request: Request) -> Response:
-    """Buffer many trajectories at once, all or none: one invalid item refuses the batch."""
-    svc: Services = request.app.state.services
-    body = await _json(request)
-    if isinstance(body, dict) and "trajectories" in body:
-        body = body["trajectories"]
-    if not isinstance(body, list):
-        raise InvalidInput.one("body", 'must be a list of trajectories or {"trajectories": [...]}')
-    results = svc.buffer.write_many([_validated(item, f"{index}.") for index, item in enumerate(body)])
-    duplicates = sum(result.duplicate for result in results)
-    return envelope(
-        True,
-        f"Wrote {len(results) - duplicates} trajectories ({duplicates} duplicates)",
-        {
-            "uids": [result.uid for result in results],
-            "written": len(results) - duplicates,
-            "duplicates": duplicates,
-        },
-    )
 
 
 @router.post("/buffer/read")
@@ -166,7 +72,7 @@ async def set_aside(svc: Annotated[Services, Depends(services)], task_type: str 
             "error": group.error,
             "traceback": group.traceback,
             "at": group.at,
-            "items": [orjson.loads(item) for item in group.items],
+            "items": [encoding.loads(item) for item in group.items],
         }
         for group in svc.buffer.set_aside(task_type)
     ]

@@ -1,0 +1,100 @@
+"""The hot path: ``/buffer/write`` and ``/buffer/write_batch``.
+
+These are plain Starlette endpoints placed first in the route table: FastAPI's per-request
+dependency solving and body handling cost more than the write itself. The body is parsed
+and validated in one pass (``buffer.models.parse_json``); ``OPENAPI_PATHS`` documents them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from buffer.errors import InvalidInput
+from buffer.models import TRAJECTORIES, TRAJECTORY, TRAJECTORY_BATCH, parse_json
+from buffer.responses import envelope
+from buffer.services import Services
+
+
+async def write(request: Request) -> Response:
+    """Buffer one trajectory. A retried write (same ``uid``) is accepted and counted once."""
+    svc: Services = request.app.state.services
+    trajectory = parse_json(TRAJECTORY, await request.body())
+    result = svc.buffer.write(trajectory)
+    message = (
+        "Duplicate uid: already buffered"
+        if result.duplicate
+        else "Data has been successfully written to buffer"
+    )
+    return envelope(
+        True, message, {"uid": result.uid, "task_type": result.task_type, "duplicate": result.duplicate}
+    )
+
+
+async def write_batch(request: Request) -> Response:
+    """Buffer many trajectories at once, all or none: one invalid item refuses the batch."""
+    svc: Services = request.app.state.services
+    body = await request.body()
+    if body.lstrip()[:1] == b"{":
+        items: list[Any] = parse_json(TRAJECTORY_BATCH, body)["trajectories"]
+    elif body.lstrip()[:1] == b"[":
+        items = parse_json(TRAJECTORIES, body)
+    else:
+        raise InvalidInput.one("body", 'must be a list of trajectories or {"trajectories": [...]}')
+    results = svc.buffer.write_many(items)
+    duplicates = sum(result.duplicate for result in results)
+    written = len(results) - duplicates
+    return envelope(
+        True,
+        f"Wrote {written} trajectories ({duplicates} duplicates)",
+        {"uids": [result.uid for result in results], "written": written, "duplicates": duplicates},
+    )
+
+
+ROUTES = [
+    Route("/buffer/write", write, methods=["POST"]),
+    Route("/buffer/write_batch", write_batch, methods=["POST"]),
+]
+
+_TRAJECTORY = {"$ref": "#/components/schemas/Trajectory"}
+_ANSWER = {"200": {"description": "written (or a duplicate, accepted)"}, "422": {"description": "invalid"}}
+
+OPENAPI_PATHS: dict[str, Any] = {
+    "/buffer/write": {
+        "post": {
+            "summary": "Write",
+            "description": write.__doc__,
+            "operationId": "write_buffer_write_post",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _TRAJECTORY}}},
+            "responses": _ANSWER,
+        }
+    },
+    "/buffer/write_batch": {
+        "post": {
+            "summary": "Write Batch",
+            "description": write_batch.__doc__,
+            "operationId": "write_batch_buffer_write_batch_post",
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "oneOf": [
+                                {"type": "array", "items": _TRAJECTORY},
+                                {
+                                    "type": "object",
+                                    "required": ["trajectories"],
+                                    "properties": {"trajectories": {"type": "array", "items": _TRAJECTORY}},
+                                },
+                            ]
+                        }
+                    }
+                },
+            },
+            "responses": _ANSWER,
+        }
+    },
+}
