@@ -1,0 +1,78 @@
+"""The simulator's settings: one class, read from flags and ``SIM_LLM_*`` variables."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, CliImplicitFlag, SettingsConfigDict
+
+LatencyDistribution = Literal["fixed", "uniform", "exponential", "lognormal"]
+
+
+class SimConfig(BaseSettings):
+    """Run a simulated OpenAI-compatible LLM server (no model, no GPU) for demos, tests and benchmarks.
+    Every option can also be set as an environment variable SIM_LLM_<OPTION>; flags win over variables."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SIM_LLM_",
+        cli_kebab_case=True,
+        cli_prog_name="python -m buffer.simulator",
+        cli_implicit_flags=False,
+        extra="ignore",
+    )
+
+    host: str = Field(default="127.0.0.1", description="interface to listen on")
+    port: int = Field(default=30000, ge=1, le=65535, description="port to listen on (SGLang's default)")
+    served_model_name: str = Field(
+        default="sim-model", description="the one model /v1/models lists and completions report"
+    )
+    latency: LatencyDistribution = Field(
+        default="fixed", description="how the latency of a request is drawn around --latency-mean-s"
+    )
+    latency_mean_s: float = Field(default=0.05, ge=0, description="mean latency of a request, in seconds")
+    latency_jitter_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="uniform: half-width of the range; lognormal: standard deviation; else unused",
+    )
+    latency_per_token_s: float = Field(
+        default=0.0, ge=0, description="extra latency per completion token (of the longest choice)"
+    )
+    error_rate: float = Field(default=0.0, ge=0, le=1, description="probability of an HTTP 500 or 503 answer")
+    rate_limit_rate: float = Field(
+        default=0.0, ge=0, le=1, description="probability of an immediate HTTP 429 answer with Retry-After"
+    )
+    retry_after_s: float = Field(default=1.0, gt=0, description="the Retry-After of a 429 answer, in seconds")
+    abort_rate: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description='probability that a choice ends with finish_reason "abort" and partial text',
+    )
+    accuracy: float = Field(
+        default=0.8, ge=0, le=1, description="probability that the answer to an arithmetic question is right"
+    )
+    seed: int | None = Field(
+        default=None, description="seed of the server's random generator; null: seeded from the OS"
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        default="info", description="log level"
+    )
+    access_log: CliImplicitFlag[bool] = Field(default=False, description="log every HTTP request")
+
+    def sample_latency_s(self, rng: random.Random) -> float:
+        """One draw from the configured latency distribution, never negative."""
+        mean, jitter = self.latency_mean_s, self.latency_jitter_s
+        if mean == 0:
+            return 0.0
+        if self.latency == "uniform":
+            return max(0.0, rng.uniform(mean - jitter, mean + jitter))
+        if self.latency == "exponential":
+            return rng.expovariate(1 / mean)
+        if self.latency == "lognormal":
+            sigma_squared = math.log1p((jitter / mean) ** 2)
+            return rng.lognormvariate(math.log(mean) - sigma_squared / 2, math.sqrt(sigma_squared))
+        return mean
