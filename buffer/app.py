@@ -23,7 +23,7 @@ from buffer.registry import GeneratorRegistry
 from buffer.responses import envelope
 from buffer.rollout_buffer import RolloutBuffer
 from buffer.routes import jobs, rollout, service, trajectories, writes
-from buffer.services import Services
+from buffer.services import Services, local_url
 from buffer.settings import Settings
 from buffer.signals import ReadySignal
 
@@ -42,7 +42,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         ready = ReadySignal()
         buffer.add_listener(ready.notify)
-        job_manager = JobManager(buffer.written)
+        job_manager = JobManager(buffer, local_url(settings))
         app.state.services = Services(settings, buffer, registry, job_manager, ready)
         sweeper = asyncio.create_task(
             _sweep_timeouts(buffer, settings.sweep_interval_s), name="timeout-sweeper"

@@ -29,6 +29,7 @@ from typing import Any
 
 from buffer.errors import UnknownJob
 from buffer.registry import Generator
+from buffer.rollout_buffer import RolloutBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class Job:
     generator_file: str
     data: dict[str, Any]
     written_at_start: int
+    #: The service's buffer and address: a generator in this process writes to it directly.
+    buffer: RolloutBuffer | None = field(default=None, repr=False)
+    buffer_url: str | None = None
     status: JobStatus = JobStatus.RUNNING
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
@@ -89,9 +93,9 @@ class Job:
 
 
 class JobManager:
-    def __init__(self, written: Callable[[str], int], keep: int = 1000) -> None:
-        """``written(task_type)`` counts the task's trajectories, for the jobs' counters."""
-        self._written = written
+    def __init__(self, buffer: RolloutBuffer, buffer_url: str, keep: int = 1000) -> None:
+        self._buffer = buffer
+        self._buffer_url = buffer_url
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._ids = itertools.count(1)
         self._keep = keep
@@ -103,7 +107,9 @@ class JobManager:
             task_type=generator.task_type,
             generator_file=str(generator.path),
             data=data,
-            written_at_start=self._written(generator.task_type),
+            written_at_start=self._buffer.written(generator.task_type),
+            buffer=self._buffer,
+            buffer_url=self._buffer_url,
         )
         self._jobs[job.id] = job
         self._forget_old()
@@ -161,7 +167,7 @@ class JobManager:
         return list(self._jobs.values())
 
     def describe(self, job: Job) -> dict[str, Any]:
-        return job.describe(self._written(job.task_type))
+        return job.describe(self._buffer.written(job.task_type))
 
     async def cancel(self, job_id: str) -> Job:
         job = self.get(job_id)

@@ -23,13 +23,7 @@ class Services:
     ready: ReadySignal
 
     def public_url(self) -> str:
-        """How a generator on this machine reaches the service."""
-        host = self.settings.host
-        if host in ("", "0.0.0.0", "::"):
-            host = "127.0.0.1"
-        elif ":" in host:
-            host = f"[{host}]"
-        return f"http://{host}:{self.settings.port}"
+        return local_url(self.settings)
 
     def check_task(self, task_type: str | None) -> None:
         """A read may name a task the buffer has or a generator defines; anything else is a typo."""
@@ -41,3 +35,13 @@ class Services:
 def services(request: Request) -> Services:
     result: Services = request.app.state.services
     return result
+
+
+def local_url(settings: Settings) -> str:
+    """How a generator on this machine reaches the service."""
+    host = settings.host
+    if host in ("", "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{settings.port}"

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -8,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from buffer.app import create_app
+from buffer.demo import free_port, started, wait_ready
 from buffer.settings import Settings
 from tests.factories import FakeClock
 
@@ -44,3 +46,15 @@ def make_client(generator_dir: Path) -> Iterator[Callable[..., TestClient]]:
 @pytest.fixture
 def client(make_client: Callable[..., TestClient]) -> TestClient:
     return make_client(group_size=4)
+
+
+@pytest.fixture(scope="session")
+def simulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A simulated policy server process on a loopback port: fast, always right, seeded."""
+    port = free_port()
+    command = [sys.executable, "-m", "buffer.simulator", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--latency-mean-s", "0.01", "--accuracy", "1.0", "--seed", "0", "--log-level", "warning"]
+    log = tmp_path_factory.mktemp("simulator") / "simulator.log"
+    with started(command, "simulator", log) as process:
+        wait_ready(f"http://127.0.0.1:{port}/health", process, 60, "the simulator")
+        yield f"http://127.0.0.1:{port}"

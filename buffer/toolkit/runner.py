@@ -1,0 +1,345 @@
+"""Running a task: the plumbing every generator shares.
+
+A generator states what is specific to its task and hands the rest to ``run_rollouts``::
+
+    async def run_rollout(data):
+        async with MathReward() as reward:
+            await run_rollouts(data, reward=reward)
+
+``run_rollouts`` reads the data set, plans the samples (repeats, epochs, seeded shuffle,
+skipped instances), keeps ``num_process`` trajectories in flight as asyncio tasks (not
+operating-system processes), runs each rollout against the policy server, scores it and
+writes it to the buffer. A trajectory that fails after its retries is written with
+``FAILURE_REWARD`` (the default ``filter_item`` drops it) and counted: never lost silently,
+never with ``content: null``. Progress goes to the log and to the job (``GET /jobs/{id}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from buffer.jobs import current_job
+from buffer.toolkit.agent import single_turn
+from buffer.toolkit.dataset import Plan, read_rows
+from buffer.toolkit.llm import ChatClient, ContinuePolicy, RetryPolicy
+from buffer.toolkit.sink import RejectedTrajectory, TrajectorySink, open_sink
+from buffer.toolkit.types import Episode, GroupRewardFn, Message, RewardFn, Sample
+from default_func import FAILURE_REWARD
+
+logger = logging.getLogger(__name__)
+
+Rollout = Callable[..., Awaitable[Episode]]
+
+
+class RolloutSettings(BaseModel):
+    """The fields of the ``/start_rollout`` payload the toolkit reads; the rest is ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    task_type: str = "default"
+    input_file: str
+    remote_engine_url: str
+    remote_buffer_url: str | None = None
+    num_repeat_per_sample: int = Field(1, ge=1)
+    num_epoch: int = Field(1, ge=1)
+    num_process: int = Field(100, ge=1, description="trajectories in flight")
+    max_tokens: int | None = Field(None, ge=1)
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    skip_instance_ids: list[str | int] = Field(default_factory=list)
+    seed: int = 0
+    shuffle: bool = True
+    model: str = "default"
+    engine_api_key: str | None = None
+    buffer_api_key: str | None = None
+    request_timeout_s: float = Field(600.0, gt=0)
+    max_attempts: int = Field(6, ge=1, description="HTTP attempts per request to the policy server")
+    abort_retry_delay_s: float = Field(1.0, ge=0)
+    progress_interval_s: float = Field(10.0, gt=0)
+
+    def sampling(self) -> dict[str, Any]:
+        params = dict(self.sampling_params)
+        if self.max_tokens is not None:
+            params.setdefault("max_tokens", self.max_tokens)
+        return params
+
+
+@dataclass
+class Progress:
+    task_type: str
+    total: int
+    started: int = 0
+    completed: int = 0
+    failed: int = 0
+    rejected: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def in_flight(self) -> int:
+        return self.started - self.completed
+
+    def snapshot(self) -> dict[str, Any]:
+        elapsed = time.monotonic() - self.started_at
+        return {
+            **{k: v for k, v in asdict(self).items() if k not in ("started_at", "task_type")},
+            "in_flight": self.in_flight,
+            "elapsed_s": round(elapsed, 1),
+            "trajectories_per_s": round(self.completed / elapsed, 2) if elapsed > 0 else 0.0,
+        }
+
+    def line(self) -> str:
+        s = self.snapshot()
+        share = f" ({100 * s['completed'] / s['total']:.1f}%)" if s["total"] else ""
+        return (
+            f"{self.task_type}: {s['completed']}/{s['total']} trajectories{share}, "
+            f"{s['trajectories_per_s']}/s, {s['failed']} failed, {s['in_flight']} in flight"
+        )
+
+
+async def run_rollouts(
+    data: dict[str, Any],
+    *,
+    reward: RewardFn | None = None,
+    group_reward: GroupRewardFn | None = None,
+    rollout: Rollout = single_turn,
+    prompt: Callable[[dict[str, Any]], list[Message]] | None = None,
+    sink: TrajectorySink | None = None,
+    llm: ChatClient | None = None,
+) -> Progress:
+    """Run the task ``data`` describes (the trainer's ``/start_rollout`` payload).
+
+    - ``reward(sample, episode) -> float`` scores each trajectory, or ``group_reward(samples,
+      episodes) -> [float]`` scores each prompt's group at once; sync or async.
+    - ``rollout(llm, sample, **sampling) -> Episode`` runs one trajectory (default: one
+      answer; ``functools.partial(run_tools, tools=[...])`` for a tool-using agent).
+    - ``prompt(row) -> messages`` builds the prompt from a data set row (default: its
+      ``prompt`` field, a string or chat messages).
+    - ``sink`` and ``llm`` replace the defaults (the buffer ``data`` names, the engine it names).
+    """
+    if (reward is None) == (group_reward is None):
+        raise TypeError("run_rollouts takes exactly one of reward and group_reward")
+    settings = RolloutSettings.model_validate(data)
+    rows = await asyncio.to_thread(read_rows, settings.input_file)
+    if prompt is not None:
+        rows = [{**row, "prompt": prompt(row)} for row in rows]
+    plan = Plan(
+        rows,
+        num_repeat_per_sample=settings.num_repeat_per_sample,
+        num_epoch=settings.num_epoch,
+        seed=settings.seed,
+        shuffle=settings.shuffle,
+        skip_instance_ids=settings.skip_instance_ids,
+    )
+    progress = Progress(settings.task_type, plan.total())
+    own_sink = sink is None
+    own_llm = llm is None
+    sink = sink or await open_sink(settings.remote_buffer_url, api_key=settings.buffer_api_key)
+    llm = llm or ChatClient(
+        settings.remote_engine_url,
+        model=settings.model,
+        api_key=settings.engine_api_key,
+        max_connections=settings.num_process,
+        timeout_s=settings.request_timeout_s,
+        retry=RetryPolicy(max_attempts=settings.max_attempts),
+        continuation=ContinuePolicy(delay_s=settings.abort_retry_delay_s),
+    )
+    run = _Run(
+        settings, progress, sink, functools.partial(rollout, llm, **settings.sampling()), reward, group_reward
+    )
+    reporter = asyncio.create_task(_report(progress, settings.progress_interval_s), name="rollout-progress")
+    try:
+        await run.all(plan)
+    finally:
+        reporter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reporter
+        _publish(progress)
+        logger.info("%s; done", progress.line())
+        if own_llm:
+            await llm.aclose()
+        if own_sink:
+            await sink.aclose()
+    return progress
+
+
+class _Run:
+    def __init__(
+        self,
+        settings: RolloutSettings,
+        progress: Progress,
+        sink: TrajectorySink,
+        rollout: Callable[[Sample], Awaitable[Episode]],
+        reward: RewardFn | None,
+        group_reward: GroupRewardFn | None,
+    ) -> None:
+        self.settings = settings
+        self.progress = progress
+        self.sink = sink
+        self.rollout = rollout
+        self.reward = _as_async(reward) if reward is not None else None
+        self.group_reward = _as_async(group_reward) if group_reward is not None else None
+        self.sampling = settings.sampling()
+        self.groups: dict[tuple[int, Any], list[tuple[Sample, Episode | BaseException]]] = {}
+
+    async def all(self, plan: Plan) -> None:
+        slots = asyncio.Semaphore(self.settings.num_process)
+        tasks: set[asyncio.Task[None]] = set()
+
+        def finished(task: asyncio.Task[None]) -> None:
+            tasks.discard(task)
+            slots.release()
+
+        try:
+            for sample in plan:
+                await slots.acquire()
+                self.progress.started += 1
+                task = asyncio.create_task(self.one(sample))
+                tasks.add(task)
+                task.add_done_callback(finished)
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:
+            for task in list(tasks):
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def one(self, sample: Sample) -> None:
+        try:
+            outcome: Episode | BaseException = await self.rollout(sample)
+        except Exception as exc:  # retries are spent: the trajectory fails, the run goes on
+            outcome = exc
+        if self.group_reward is not None:
+            await self._collect(sample, outcome)
+        else:
+            await self._score(sample, outcome)
+
+    async def _score(self, sample: Sample, outcome: Episode | BaseException) -> None:
+        if isinstance(outcome, BaseException):
+            await self._write(sample, None, None, outcome)
+            return
+        try:
+            assert self.reward is not None
+            value = await self.reward(sample, outcome)
+        except Exception as exc:
+            await self._write(sample, outcome, None, exc)
+            return
+        await self._write(sample, outcome, value, None)
+
+    async def _collect(self, sample: Sample, outcome: Episode | BaseException) -> None:
+        key = (sample.epoch, sample.instance_id)
+        group = self.groups.setdefault(key, [])
+        group.append((sample, outcome))
+        if len(group) < self.settings.num_repeat_per_sample:
+            return
+        del self.groups[key]
+        done = [(s, o) for s, o in group if isinstance(o, Episode)]
+        failure: Exception | None = None
+        scores: list[float] = []
+        try:
+            assert self.group_reward is not None
+            scores = list(await self.group_reward([s for s, _ in done], [o for _, o in done]))
+            if len(scores) != len(done):
+                raise ValueError(f"group_reward returned {len(scores)} rewards for {len(done)} episodes")
+        except Exception as exc:
+            failure = exc
+        remaining = iter(scores)
+        for s, o in group:
+            if isinstance(o, BaseException):
+                await self._write(s, None, None, o)
+            elif failure is not None:
+                await self._write(s, o, None, failure)
+            else:
+                await self._write(s, o, next(remaining), None)
+
+    async def _write(
+        self, sample: Sample, episode: Episode | None, reward: float | None, error: BaseException | None
+    ) -> None:
+        trajectory = self._trajectory(sample, episode, reward, error)
+        try:
+            await self.sink.write(trajectory)
+        except RejectedTrajectory as exc:
+            self.progress.rejected += 1
+            logger.error("%s: trajectory of %r refused: %s", self.settings.task_type, sample.instance_id, exc)
+        self.progress.completed += 1
+        if error is not None:
+            self.progress.failed += 1
+
+    def _trajectory(
+        self, sample: Sample, episode: Episode | None, reward: float | None, error: BaseException | None
+    ) -> dict[str, Any]:
+        completions = episode.completions if episode else []
+        messages = (
+            list(episode.messages) if episode else [*sample.messages, {"role": "assistant", "content": ""}]
+        )
+        info: dict[str, Any] = {key: value for key, value in sample.row.items() if key != "instance_id"}
+        usage: dict[str, int] = {}
+        for completion in completions:
+            for key, count in completion.usage.items():
+                usage[key] = usage.get(key, 0) + count
+        info.update(
+            finish_reason=episode.finish_reason if episode and error is None else "error",
+            round_number=sum(1 for m in messages if m.get("role") == "assistant"),
+            timestamp=time.time(),
+            sampling_params=self.sampling,
+            seed=sample.seed,
+            epoch=sample.epoch,
+            repeat=sample.repeat,
+            latency_s=round(sum(c.latency_s for c in completions), 4),
+            usage=usage,
+            attempts=sum(c.attempts for c in completions),
+            continuations=sum(c.continuations for c in completions),
+        )
+        if any(c.token_ids for c in completions):
+            info["token_ids"] = [c.token_ids for c in completions]
+        if any(c.logprobs for c in completions):
+            info["logprobs"] = [c.logprobs for c in completions]
+        if error is not None:
+            info["error"] = f"{type(error).__name__}: {error}"
+        return {
+            "uid": str(uuid.uuid4()),
+            "instance_id": sample.instance_id,
+            "messages": messages,
+            "reward": FAILURE_REWARD if reward is None else reward,
+            "extra_info": info,
+            "task_type": self.settings.task_type,
+        }
+
+
+def _as_async(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+    """``fn`` as a coroutine function: an async one as it is, a sync one run in a thread, so a
+    slow reward never blocks the event loop. Decided once per run, not once per trajectory."""
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):  # noqa: B004
+        return fn
+
+    async def in_thread(*args: Any) -> Any:
+        result = await asyncio.to_thread(fn, *args)
+        return await result if inspect.isawaitable(result) else result
+
+    return in_thread
+
+
+async def _report(progress: Progress, interval_s: float) -> None:
+    """Publish the counts on the job every second; log them every ``interval_s``."""
+    last_logged = time.monotonic()
+    while True:
+        await asyncio.sleep(min(1.0, interval_s))
+        _publish(progress)
+        if time.monotonic() - last_logged >= interval_s:
+            last_logged = time.monotonic()
+            logger.info("%s", progress.line())
+
+
+def _publish(progress: Progress) -> None:
+    job = current_job()
+    if job is not None:
+        job.progress.update(progress.snapshot())

@@ -1,0 +1,219 @@
+"""Where a generator's trajectories go.
+
+Inside the service (a job of this process whose ``remote_buffer_url`` is the service itself)
+they go straight into the buffer, validated as a write would be, with no HTTP round trip.
+Elsewhere they go over HTTP to ``/buffer/write_batch``: batched, retried until the buffer
+takes them (a 429 or an outage slows the generator down; nothing is dropped), idempotent
+because the buffer deduplicates by ``uid``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+import httpx
+import orjson
+from pydantic import ValidationError
+from tenacity import AsyncRetrying, retry_if_exception, wait_random_exponential
+
+from buffer.jobs import current_job
+from buffer.models import TRAJECTORY
+from buffer.rollout_buffer import RolloutBuffer
+
+logger = logging.getLogger(__name__)
+
+
+class TrajectorySink(Protocol):
+    async def write(self, trajectory: dict[str, Any]) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class RejectedTrajectory(ValueError):
+    """The buffer refused a trajectory as invalid: a bug of the generator, never retried."""
+
+
+class LocalSink:
+    """Writes into this process's buffer."""
+
+    def __init__(self, buffer: RolloutBuffer) -> None:
+        self._buffer = buffer
+
+    async def write(self, trajectory: dict[str, Any]) -> None:
+        try:
+            TRAJECTORY.validate_python(trajectory)
+        except ValidationError as exc:
+            raise RejectedTrajectory(str(exc)) from None
+        self._buffer.write(trajectory)
+
+    async def aclose(self) -> None:
+        return None
+
+
+class HttpSink:
+    """Writes to a rollout buffer over HTTP, in batches, from a background task."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        batch_size: int = 64,
+        flush_interval_s: float = 0.05,
+        max_pending: int = 10_000,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self._url = url.rstrip("/") + "/buffer/write_batch"
+        self._headers = {"content-type": "application/json"}
+        if api_key:
+            self._headers["authorization"] = f"Bearer {api_key}"
+        self._batch_size = batch_size
+        self._flush_interval_s = flush_interval_s
+        self._wait = wait_random_exponential(multiplier=backoff_s, max=max_backoff_s)
+        self._queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(max_pending)
+        self._owns_client = client is None
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(60.0), trust_env=False)
+        self._flusher: asyncio.Task[None] | None = None
+        self.written = 0
+        self.rejected = 0
+
+    async def write(self, trajectory: dict[str, Any]) -> None:
+        """Queue a trajectory; waits when ``max_pending`` are already queued (backpressure)."""
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush_forever(), name="trajectory-sink")
+        if self._flusher.done():
+            self._flusher.result()  # surface the flusher's failure
+        await self._queue.put(trajectory)
+
+    async def aclose(self) -> None:
+        """Send everything queued, then stop."""
+        if self._flusher is not None and not self._flusher.done():
+            await self._queue.put(None)
+            await self._flusher
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def _flush_forever(self) -> None:
+        while True:
+            first = await self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            closing = await self._fill(batch)
+            await self._send(batch)
+            if closing:
+                return
+
+    async def _fill(self, batch: list[dict[str, Any]]) -> bool:
+        """Add what arrives within the flush interval; True when the close marker came."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._flush_interval_s
+        while len(batch) < self._batch_size:
+            remaining = deadline - loop.time()
+            try:
+                item = (
+                    self._queue.get_nowait()
+                    if remaining <= 0
+                    else await asyncio.wait_for(self._queue.get(), remaining)
+                )
+            except (asyncio.TimeoutError, asyncio.QueueEmpty):
+                return False
+            if item is None:
+                return True
+            batch.append(item)
+        return False
+
+    async def _send(self, batch: list[dict[str, Any]]) -> None:
+        try:
+            await self._post(batch)
+        except RejectedTrajectory as exc:
+            if len(batch) == 1:
+                self.rejected += 1
+                logger.error("the buffer refused trajectory %s: %s", batch[0].get("uid"), exc)
+                return
+            for trajectory in batch:  # find the bad one; the rest still go in
+                await self._send([trajectory])
+        else:
+            self.written += len(batch)
+
+    async def _post(self, batch: list[dict[str, Any]]) -> None:
+        content = orjson.dumps(batch)
+        retrying = AsyncRetrying(wait=self._wait_for, retry=retry_if_exception(_is_transient), reraise=True)
+        async for attempt in retrying:
+            with attempt:
+                response = await self._client.post(self._url, content=content, headers=self._headers)
+                if response.status_code == 422:
+                    raise RejectedTrajectory(response.text[:1000])
+                if response.status_code == 429 or response.status_code >= 500:
+                    raise _BufferBusy(response)
+                response.raise_for_status()
+
+    def _wait_for(self, state: Any) -> float:
+        wait: float = self._wait(state)
+        error = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(error, _BufferBusy) and error.retry_after_s is not None:
+            wait = max(wait, error.retry_after_s)
+        logger.warning("writing to the buffer failed (%s); retrying in %.1f s", error, wait)
+        return wait
+
+
+class _BufferBusy(Exception):
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(f"HTTP {response.status_code}")
+        try:
+            self.retry_after_s: float | None = float(response.headers.get("retry-after", ""))
+        except ValueError:
+            self.retry_after_s = None
+
+
+def _is_transient(exc: BaseException) -> bool:
+    return isinstance(exc, (_BufferBusy, httpx.TransportError))
+
+
+async def open_sink(remote_buffer_url: str | None, *, api_key: str | None = None) -> TrajectorySink:
+    """The direct sink when this runs as a job of the service ``remote_buffer_url`` names
+    (or names nothing), else an HTTP sink to it."""
+    job = current_job()
+    if job is not None and job.buffer is not None:
+        local = remote_buffer_url is None or await asyncio.to_thread(
+            same_service, remote_buffer_url, job.buffer_url
+        )
+        if local:
+            return LocalSink(job.buffer)
+    if remote_buffer_url is None:
+        raise ValueError("remote_buffer_url is required outside the rollout buffer service")
+    return HttpSink(remote_buffer_url, api_key=api_key)
+
+
+def same_service(url: str, local: str | None) -> bool:
+    """Whether ``url`` reaches the service listening at ``local``: the same port on an
+    address of this machine (slime's trainer sends its own view, e.g. http://10.0.0.5:8889).
+    Resolves the host name: blocking, so call it in a thread."""
+    if local is None:
+        return False
+    target, own = urlsplit(url), urlsplit(local)
+    if target.port != own.port or target.hostname is None:
+        return False
+    return _is_this_machine(target.hostname)
+
+
+def _is_this_machine(host: str) -> bool:
+    try:
+        address = ipaddress.ip_address(socket.gethostbyname(host))
+    except (OSError, ValueError):
+        return False
+    if address.is_loopback or address.is_unspecified:
+        return True
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((str(address), 0))  # succeeds only for this machine's own addresses
+        except OSError:
+            return False
+    return True

@@ -1,0 +1,73 @@
+"""What a generator's task-specific code receives and returns.
+
+A ``Sample`` is one trajectory to produce: a prompt of the data set, one of its repeats in
+one epoch. A rollout turns it into an ``Episode``: the whole conversation and how it ended.
+A reward scores an episode; a group reward scores all the episodes of one prompt at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+Message = dict[str, Any]
+
+
+@dataclass(slots=True)
+class Completion:
+    """One answer of the policy server (after any continuation of an aborted answer)."""
+
+    text: str
+    finish_reason: str
+    tool_calls: list[dict[str, Any]] | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    latency_s: float = 0.0
+    attempts: int = 1  # HTTP requests made, retries and continuations included
+    continuations: int = 0  # aborted answers continued
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+
+    def message(self) -> Message:
+        """The assistant message to append to the conversation."""
+        message: Message = {"role": "assistant", "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+            message["content"] = self.text or None
+        return message
+
+
+@dataclass(slots=True)
+class Sample:
+    instance_id: str | int
+    row: dict[str, Any]  # the data set's row as read: prompt, label and any other fields
+    messages: list[Message]  # the prompt as chat messages
+    epoch: int
+    repeat: int  # 0 .. num_repeat_per_sample - 1
+    seed: int  # deterministic: base seed, instance, repeat and epoch
+
+    @property
+    def label(self) -> Any:
+        return self.row.get("label")
+
+
+@dataclass(slots=True)
+class Episode:
+    messages: list[Message]  # the whole conversation, prompt first
+    finish_reason: str  # the last completion's: "stop", "length", "abort", "tool_calls"
+    completions: list[Completion] = field(default_factory=list)
+
+    @property
+    def response(self) -> str:
+        """The text of the last assistant message ("" when there is none)."""
+        for message in reversed(self.messages):
+            if message.get("role") == "assistant":
+                content = message.get("content")
+                return content if isinstance(content, str) else ""
+        return ""
+
+
+RewardFn = Callable[[Sample, Episode], "float | Awaitable[float]"]
+GroupRewardFn = Callable[
+    [Sequence[Sample], Sequence[Episode]], "Sequence[float] | Awaitable[Sequence[float]]"
+]

@@ -1,0 +1,87 @@
+"""Reading the data set and planning samples: repeats, epochs, shuffles, seeds, skips."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from buffer.toolkit.dataset import DatasetError, Plan, derive_seed, prompt_messages, read_rows
+
+
+def write_jsonl(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def rows(n: int) -> list[dict[str, object]]:
+    return [{"instance_id": f"q{i}", "prompt": f"question {i}", "label": str(i)} for i in range(n)]
+
+
+def test_rows_without_an_instance_id_get_their_line_number_and_keep_their_fields(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "label": "1", "source": "x"}, {"prompt": "b"}])
+    read = read_rows(path)
+    assert [row["instance_id"] for row in read] == [0, 1]
+    assert read[0]["source"] == "x"
+
+
+def test_a_bad_line_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a"}\n{oops\n')
+    with pytest.raises(DatasetError, match=r"d\.jsonl:2: not valid JSON"):
+        read_rows(path)
+    path.write_text('{"label": "1"}\n')
+    with pytest.raises(DatasetError, match=r"d\.jsonl:1: a row must be an object with a prompt"):
+        read_rows(path)
+
+
+def test_prompts_become_chat_messages() -> None:
+    assert prompt_messages("hi") == [{"role": "user", "content": "hi"}]
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert prompt_messages(chat) == chat
+    with pytest.raises(DatasetError):
+        prompt_messages(42)
+
+
+def test_each_prompt_is_repeated_in_a_row_for_every_epoch() -> None:
+    plan = Plan(rows(3), num_repeat_per_sample=4, num_epoch=2, shuffle=False)
+    samples = list(plan)
+    assert len(samples) == plan.total() == 24
+    first_epoch = [(s.instance_id, s.repeat) for s in samples[:12]]
+    assert first_epoch == [(f"q{i}", r) for i in range(3) for r in range(4)]
+    assert {s.epoch for s in samples[12:]} == {1}
+
+
+def test_the_shuffle_is_seeded_and_differs_between_epochs() -> None:
+    def order(seed: int) -> list[list[object]]:
+        samples = list(Plan(rows(20), num_epoch=2, seed=seed))
+        return [[s.instance_id for s in samples if s.epoch == e] for e in (0, 1)]
+
+    assert order(1) == order(1)
+    assert order(1) != order(2)
+    first, second = order(1)
+    assert first != second
+    assert sorted(map(str, first)) == sorted(map(str, second))
+
+
+def test_seeds_depend_on_instance_repeat_and_epoch_only() -> None:
+    samples = list(Plan(rows(5), num_repeat_per_sample=3, num_epoch=2, seed=7))
+    assert len({s.seed for s in samples}) == len(samples)
+    again = {
+        (s.instance_id, s.repeat, s.epoch): s.seed
+        for s in Plan(rows(5), num_repeat_per_sample=3, num_epoch=2, seed=7)
+    }
+    assert all(again[(s.instance_id, s.repeat, s.epoch)] == s.seed for s in samples)
+    assert samples[0].seed == derive_seed(7, samples[0].instance_id, samples[0].repeat, samples[0].epoch)
+    assert derive_seed(8, "q0", 0, 0) != derive_seed(7, "q0", 0, 0)
+
+
+def test_each_skipped_id_skips_one_group_matching_ints_and_strings() -> None:
+    data = [{"instance_id": 5, "prompt": "a"}, {"instance_id": "q", "prompt": "b"}]
+    plan = Plan(data, num_repeat_per_sample=2, num_epoch=3, shuffle=False, skip_instance_ids=["5", 5, "q"])
+    groups = Counter((s.epoch, s.instance_id) for s in plan)
+    assert set(groups.values()) == {2}  # whole groups only
+    assert sorted(groups, key=str) == sorted([(2, 5), (1, "q"), (2, "q")], key=str)
+    assert plan.total() == 6
