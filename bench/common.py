@@ -68,8 +68,12 @@ class Server:
         startup_timeout_s: float = 30.0,
         python: str = sys.executable,
         entry: Path = REPO / "buffer.py",
+        module: str | None = None,
     ) -> None:
+        """``module`` runs ``python -m module --host --port ...extra_args`` instead (e.g. the
+        simulated policy server, ``buffer.simulator``)."""
         self.entry = entry
+        self.module = module
         self.group_size = group_size
         self.extra_args = list(extra_args)
         self.startup_timeout_s = startup_timeout_s
@@ -103,19 +107,11 @@ class Server:
         self.stop()
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
-        cmd = [
-            self.python,
-            str(self.entry),
-            "--host",
-            HOST,
-            "--port",
-            str(self.port),
-            "--log-level",
-            "warning",
-            "--group-size",
-            str(self.group_size),
-            *self.extra_args,
-        ]
+        program = (
+            ["-m", self.module] if self.module else [str(self.entry), "--group-size", str(self.group_size)]
+        )
+        cmd = [self.python, *program, "--host", HOST, "--port", str(self.port), "--log-level", "warning"]
+        cmd += self.extra_args
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
         self.process = subprocess.Popen(
             cmd,

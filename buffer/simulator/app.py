@@ -136,7 +136,10 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
 async def _answer(
     request: ChatRequest, config: SimConfig, server_rng: random.Random, stats: SimStats
 ) -> tuple[int, dict[str, Any], dict[str, str] | None]:
-    """(status, body, headers) for one chat completion request, after its simulated latency."""
+    """(status, body, headers) for one chat completion request, after its simulated latency.
+
+    The latency is counted from here, so the time spent composing the reply is part of it."""
+    started = time.monotonic()
     if request.stream:
         message = "stream=true is not supported by the simulator; send a non-streaming request"
         return 400, error_body(message, "invalid_request_error", param="stream"), None
@@ -155,7 +158,8 @@ async def _answer(
         complete(request, config.accuracy, config.abort_rate, reply_rng, server_rng) for _ in range(request.n)
     ]
     longest = max(len(choice.tokens) for choice in choices)
-    await asyncio.sleep(config.sample_latency_s(server_rng) + config.latency_per_token_s * longest)
+    latency_s = config.sample_latency_s(server_rng) + config.latency_per_token_s * longest
+    await asyncio.sleep(max(0.0, latency_s - (time.monotonic() - started)))
     if server_rng.random() < config.error_rate:
         status = server_rng.choice((500, 503))
         return status, error_body(f"simulated server error ({status})", "server_error"), None

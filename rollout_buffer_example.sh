@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The main job: a policy server, the rollout buffer with its math generator, and a trainer
+# polling the buffer for STEPS steps (default 5). Stops everything it started; Ctrl-C too.
+#
+#   bash rollout_buffer_example.sh                      # the simulated policy server
+#   ENGINE_URL=http://10.0.0.2:30000 bash rollout_buffer_example.sh
+#   SGLANG_MODEL_PATH=/models/Qwen3-4B bash rollout_buffer_example.sh   # needs '.[sglang]'
+#   STEPS=2 bash rollout_buffer_example.sh --help       # every option
+#
+# On a fresh machine it first makes .venv and installs the project into it (no torch).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON="${PYTHON:-.venv/bin/python}"
+if [ ! -x "$PYTHON" ]; then
+    python3 -m venv .venv
+    .venv/bin/pip install --quiet -e .
+    PYTHON=.venv/bin/python
+fi
+exec "$PYTHON" -m buffer.demo "$@"

@@ -1,0 +1,158 @@
+"""End to end: the shipped generators in the real service, against the real simulated policy
+server, driven as a trainer drives them; and the example script itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from buffer.demo import free_port, started, wait_ready
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+REPO = Path(__file__).resolve().parent.parent
+Process = Callable[..., str]
+
+
+@pytest.fixture
+def process(tmp_path: Path) -> Iterator[Process]:
+    """Start ``python <args>`` on a free loopback port (``--host``/``--port`` added); returns its URL."""
+    with_stack: list[Any] = []
+
+    def start(*args: str, name: str) -> str:
+        port = free_port()
+        command = [sys.executable, *args, "--host", "127.0.0.1", "--port", str(port)]
+        context = started(command, name, tmp_path / f"{name}.log")
+        running = context.__enter__()
+        with_stack.append(context)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(f"{url}/health", running, 60, name)
+        return url
+
+    yield start
+    for context in reversed(with_stack):
+        context.__exit__(None, None, None)
+
+
+def drain(client: httpx.Client, task_type: str, groups: int, timeout_s: float = 60) -> list[Any]:
+    """Poll as slime's trainer does until all ``groups`` groups have finished, returned or
+    discarded; returns the items read."""
+    items: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = client.post("/get_rollout_data", json={"task_type": task_type, "wait_s": 1})
+        response.raise_for_status()
+        body = response.json()
+        if body["success"]:
+            items += body["data"]["data"]
+        task = client.get("/buffer/stats").json()["data"]["meta_info"]["tasks"][task_type]
+        settled = task["delivered_groups"] + sum(task["discarded_groups"].values()) + task["set_aside_groups"]
+        if settled == groups and not task["ready_groups"]:
+            return items
+        assert time.monotonic() < deadline, f"only {settled} of {groups} groups finished"
+
+
+def wait_job(client: httpx.Client, job_id: str, timeout_s: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job: dict[str, Any] = client.get(f"/jobs/{job_id}").json()["data"]
+        if job["status"] != "running":
+            return job
+        time.sleep(0.1)
+    raise AssertionError(f"job {job_id} still running")
+
+
+def math_rows(path: Path, count: int) -> Path:
+    rows = [
+        {"instance_id": f"m{i}", "prompt": f"What is {i} + {i + 2}?", "label": str(2 * i + 2)}
+        for i in range(count)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_the_math_generator_runs_through_aborts_and_errors_and_its_groups_reach_the_trainer(
+    process: Process, tmp_path: Path
+) -> None:
+    engine = process(
+        "-m", "buffer.simulator", "--latency-mean-s", "0.02", "--accuracy", "0.5", "--abort-rate", "0.3",
+        "--error-rate", "0.2", "--seed", "1", "--log-level", "warning", name="simulator",
+    )  # fmt: skip
+    buffer_url = process("buffer.py", "--log-level", "warning", name="buffer")
+    with httpx.Client(base_url=buffer_url, timeout=30, trust_env=False) as client:
+        started_job = client.post(
+            "/start_rollout",
+            json={
+                "task_type": "math",
+                "input_file": str(math_rows(tmp_path / "math.jsonl", 6)),
+                "remote_engine_url": engine,
+                "num_repeat_per_sample": "4",
+                "num_epoch": "1",
+                "num_process": "16",
+                "abort_retry_delay_s": 0.01,
+                "sampling_params": {"max_tokens": 256, "temperature": 1.0},
+            },
+        ).json()
+        items = drain(client, "math", groups=6)
+        job = wait_job(client, started_job["job_id"])
+    assert job["status"] == "succeeded"
+    assert job["progress"]["completed"] == 24
+    assert items, "some groups have both right and wrong answers at accuracy 0.5"
+    infos = [item["extra_info"] for item in items if "padded_from" not in item["extra_info"]]
+    assert {info["finish_reason"] for info in infos} <= {"stop", "length", "abort", "error"}
+    assert any(info["continuations"] for info in infos)  # aborted answers were continued
+    assert any(info["attempts"] > 1 + info["continuations"] for info in infos)  # errors were retried
+    assert {item["raw_reward"] for item in items} <= {0.0, 1.0, -1.0}
+    assert all(item["extra_info"]["label"] == str(2 * int(item["instance_id"][1:]) + 2) for item in items)
+
+
+def test_the_calculator_generator_uses_its_tool_and_its_own_data(process: Process) -> None:
+    engine = process("-m", "buffer.simulator", "--latency-mean-s", "0.01", "--seed", "2", name="simulator")
+    buffer_url = process("buffer.py", "--log-level", "warning", name="buffer")
+    with httpx.Client(base_url=buffer_url, timeout=30, trust_env=False) as client:
+        job = client.post(
+            "/start_rollout",
+            json={"task_type": "calculator", "remote_engine_url": engine, "num_repeat_per_sample": "2"},
+        ).json()
+        done = wait_job(client, job["job_id"])
+        read = client.get("/buffer/stats").json()["data"]["meta_info"]["tasks"]["calculator"]
+    assert done["status"] == "succeeded", done
+    assert done["progress"]["completed"] == 64  # 32 problems of generator/data/calculator.jsonl, twice
+    assert read["total_written"] == 64
+    assert done["progress"]["failed"] == 0
+
+
+def test_the_example_script_runs_and_stops_everything(tmp_path: Path) -> None:
+    env = {**os.environ, "STEPS": "2", "LOG_DIR": str(tmp_path), "PYTHON": sys.executable}
+    command = [
+        "bash",
+        str(REPO / "rollout_buffer_example.sh"),
+        "--groups-per-step",
+        "4",
+        "--sim-latency-s",
+        "0.05",
+    ]
+    result = subprocess.run(
+        command,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split(":")[0] for line in steps] == ["step 1", "step 2"]
+    assert all("4 groups, 32 samples, mean raw reward" in line for line in steps)
+    assert any(line.startswith("stopped rollout buffer") for line in lines)
+    assert any(line.startswith("stopped simulated policy server") for line in lines)
