@@ -13,6 +13,7 @@ script's folder first on ``sys.path``).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import os
@@ -151,6 +152,14 @@ class Server:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every benchmark passes on to the buffer it starts."""
+    parser.add_argument("--group-size", type=int, default=8, help="the server's --group-size (default 8)")
+    parser.add_argument(
+        "--server-args", default="", help='extra flags for buffer.py, e.g. "--dedup-window 0"'
+    )
 
 
 def server_args(text: str) -> list[str]:

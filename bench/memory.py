@@ -102,10 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=1000, help="trajectories per write_batch request")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds idle before each RSS reading")
     parser.add_argument("--size", type=int, default=common.DEFAULT_TRAJECTORY_BYTES, help="trajectory bytes")
-    parser.add_argument("--group-size", type=int, default=8, help="the server's --group-size (default 8)")
-    parser.add_argument(
-        "--server-args", default="", help='extra flags for buffer.py, e.g. "--dedup-window 0"'
-    )
+    common.add_server_arguments(parser)
     return parser
 
 

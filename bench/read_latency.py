@@ -132,10 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--client", choices=["both", "httpx", "raw"], default="both", help="which client times the reads"
     )
     parser.add_argument("--size", type=int, default=common.DEFAULT_TRAJECTORY_BYTES, help="trajectory bytes")
-    parser.add_argument("--group-size", type=int, default=8, help="the server's --group-size (default 8)")
-    parser.add_argument(
-        "--server-args", default="", help='extra flags for buffer.py, e.g. "--dedup-window 0"'
-    )
+    common.add_server_arguments(parser)
     return parser
 
 

@@ -132,10 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured batches first (default 3)")
     parser.add_argument("--per-group", type=int, default=1, help="trajectories per instance_id (default 1)")
     parser.add_argument("--size", type=int, default=common.DEFAULT_TRAJECTORY_BYTES, help="trajectory bytes")
-    parser.add_argument("--group-size", type=int, default=8, help="the server's --group-size (default 8)")
-    parser.add_argument(
-        "--server-args", default="", help='extra flags for buffer.py, e.g. "--dedup-window 0"'
-    )
+    common.add_server_arguments(parser)
     return parser
 
 

@@ -277,10 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="wrk -t (default 1)")
     parser.add_argument("--prefill", type=int, default=50_000, help="pending groups for the prefilled runs")
     parser.add_argument("--size", type=int, default=common.DEFAULT_TRAJECTORY_BYTES, help="trajectory bytes")
-    parser.add_argument("--group-size", type=int, default=8, help="the server's --group-size (default 8)")
-    parser.add_argument(
-        "--server-args", default="", help='extra flags for buffer.py, e.g. "--dedup-window 0"'
-    )
+    common.add_server_arguments(parser)
     parser.add_argument("--wrk", default="wrk", help="the wrk binary")
     return parser
 

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from default_func import get_group_data_meta_info
+
 
 @dataclass(slots=True)
 class RewardStats:
@@ -50,15 +52,7 @@ class RewardStats:
     def meta_info(self, num_groups: int) -> dict[str, Any]:
         """The statistics in the shape of ``default_func.get_group_data_meta_info``."""
         if not self.count:
-            return {
-                "total_samples": 0,
-                "num_groups": 0,
-                "avg_group_size": 0,
-                "avg_reward": 0,
-                "reward_std": 0,
-                "reward_min": 0,
-                "reward_max": 0,
-            }
+            return get_group_data_meta_info({})
         return {
             "total_samples": self.count,
             "num_groups": num_groups,

@@ -120,4 +120,17 @@ def test_default_meta_info_agrees_with_the_incremental_statistics() -> None:
 
 
 def test_meta_info_of_nothing_is_all_zero() -> None:
-    assert default_func.get_group_data_meta_info({}) == RewardStats().meta_info(0)
+    zeros = dict.fromkeys(
+        [
+            "total_samples",
+            "num_groups",
+            "avg_group_size",
+            "avg_reward",
+            "reward_std",
+            "reward_min",
+            "reward_max",
+        ],
+        0,
+    )
+    assert default_func.get_group_data_meta_info({}) == zeros
+    assert RewardStats().meta_info(0) == zeros
