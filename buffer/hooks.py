@@ -77,3 +77,23 @@ def bind_hooks(namespace: Mapping[str, Any]) -> Hooks:
     if problems:
         raise TypeError("; ".join(problems))
     return Hooks(**bound, overridden=frozenset(bound))
+
+
+def _keep(*_: Any) -> bool:
+    return True
+
+
+def _unchanged(group: Any, *_: Any) -> Any:
+    return group
+
+
+#: An evaluation keeps every finished group as the generator wrote it (no filter, no
+#: normalisation, no padding), so the trainer scores the raw rewards of every sample.
+EVALUATION_HOOKS = Hooks(
+    filter_item=_keep,
+    is_valid_group=_keep,
+    normalize_group_data=_unchanged,
+    pad_group_data=_unchanged,
+    transform_group=_unchanged,
+    overridden=frozenset({"filter_item", "is_valid_group", "normalize_group_data", "pad_group_data"}),
+)

@@ -100,21 +100,23 @@ class JobManager:
         self._ids = itertools.count(1)
         self._keep = keep
 
-    def start(self, generator: Generator, data: dict[str, Any]) -> Job:
-        """Run ``generator.run_rollout(data)`` in the background. Call on the event loop."""
+    def start(self, generator: Generator, data: dict[str, Any], *, name: str | None = None) -> Job:
+        """Run ``generator.run_rollout(data)`` in the background, as the buffer task ``name``
+        (default: the generator's task type). Call on the event loop."""
+        task_type = name or generator.task_type
         job = Job(
             id=f"job-{next(self._ids)}",
-            task_type=generator.task_type,
+            task_type=task_type,
             generator_file=str(generator.path),
             data=data,
-            written_at_start=self._buffer.written(generator.task_type),
+            written_at_start=self._buffer.written(task_type),
             buffer=self._buffer,
             buffer_url=self._buffer_url,
         )
         self._jobs[job.id] = job
         self._forget_old()
         job._task = asyncio.get_running_loop().create_task(self._run(job, generator), name=job.id)
-        logger.info("%s: started %s (%s)", job.id, generator.task_type, generator.path)
+        logger.info("%s: started %s (%s)", job.id, task_type, generator.path)
         return job
 
     async def _run(self, job: Job, generator: Generator) -> None:

@@ -111,6 +111,14 @@ class StartRolloutRequest(BaseModel):
     sampling_params: dict[str, Any] | None = None
     reward_key: str | None = None
     restart: bool = Field(False, description="cancel the task's running job and start a new one")
+    rollout_name: Annotated[StrictStr, Field(min_length=1)] | None = Field(
+        None,
+        description="the buffer task and job this run writes to (default: task_type); one generator can "
+        "run under several names at once, e.g. for evaluation beside training",
+    )
+    evaluation: bool = Field(
+        False, description="keep every finished group as written: no filter, normalisation or padding"
+    )
 
 
 class GetRolloutDataRequest(BaseModel):

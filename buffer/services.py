@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from starlette.requests import Request
@@ -24,6 +25,24 @@ class Services:
 
     def public_url(self) -> str:
         return local_url(self.settings)
+
+    async def wait_for_items(
+        self, request: Request, task_type: str | None, count: int, timeout_s: float
+    ) -> bool:
+        """Wait up to ``timeout_s`` for ``count`` ready items; False when the client has gone.
+
+        A read for a client that has gone would take groups off the buffer and lose them, so
+        the wait checks the connection every second and the caller reads only on True."""
+        deadline = time.monotonic() + timeout_s
+        while not await self.ready.wait_until(
+            lambda: self.buffer.ready_items(task_type) >= count,
+            min(1.0, max(0.0, deadline - time.monotonic())),
+        ):
+            if await request.is_disconnected():
+                return False
+            if time.monotonic() >= deadline:
+                break
+        return not await request.is_disconnected()
 
     def check_task(self, task_type: str | None) -> None:
         """A read may name a task the buffer has or a generator defines; anything else is a typo."""

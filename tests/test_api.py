@@ -307,3 +307,45 @@ def test_a_task_first_met_through_a_write_uses_its_generator_hooks(
     client = make_client(group_size=2)
     write_all(client, group("q", [1, 1], task_type="keepall"))  # equal rewards: the default would discard
     assert len(read(client, {"task_type": "keepall"})["data"]["data"]) == 2
+
+
+WRITES_ITS_TASK = """
+from buffer.toolkit import open_sink
+
+TASK_TYPE = "math"
+
+async def run_rollout(data):
+    # every instance gets equal rewards: a training run discards such groups, an evaluation keeps them
+    sink = await open_sink(None)  # in the service: straight into its buffer
+    for instance in ("a", "b"):
+        for _ in range(data["num_repeat_per_sample"]):
+            await sink.write({
+                "instance_id": instance, "task_type": data["task_type"], "reward": 1.0,
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            })
+"""
+
+
+def test_one_generator_runs_for_training_and_for_evaluation_side_by_side(
+    make_client: Callable[..., TestClient], generator_dir: Path
+) -> None:
+    write_generator(generator_dir, "math_generator.py", WRITES_ITS_TASK)
+    client = make_client()
+    train = client.post("/start_rollout", json={"task_type": "math", "num_repeat_per_sample": "2"}).json()
+    evaluation = client.post(
+        "/start_rollout",
+        json={
+            "task_type": "math",
+            "rollout_name": "eval-math",
+            "evaluation": True,
+            "num_repeat_per_sample": "3",
+        },
+    ).json()
+    assert (train["task_type"], evaluation["task_type"]) == ("math", "eval-math")
+    assert evaluation["job_id"] != train["job_id"]  # not "already running": another name
+    for job in (train, evaluation):
+        wait_for(lambda job=job: job_status(client, job["job_id"]) == "succeeded")
+    assert read(client, {"task_type": "math"})["success"] is False  # equal rewards: discarded
+    kept = read(client, {"task_type": "eval-math"})["data"]["data"]
+    assert [(item["instance_id"], item["reward"]) for item in kept] == [("a", 1.0)] * 3 + [("b", 1.0)] * 3
+    assert all("raw_reward" not in item for item in kept)  # not normalised, not padded

@@ -156,3 +156,17 @@ def test_the_example_script_runs_and_stops_everything(tmp_path: Path) -> None:
     assert all("4 groups, 32 samples, mean raw reward" in line for line in steps)
     assert any(line.startswith("stopped rollout buffer") for line in lines)
     assert any(line.startswith("stopped simulated policy server") for line in lines)
+
+
+def test_a_long_poll_its_client_abandoned_takes_nothing(process: Process, tmp_path: Path) -> None:
+    buffer_url = process("buffer.py", "--group-size", "4", "--log-level", "warning", name="buffer")
+    item = {"instance_id": "q", "messages": [{"role": "user", "content": "q"}], "extra_info": {}}
+    with httpx.Client(base_url=buffer_url, timeout=10, trust_env=False) as client:
+        client.post("/buffer/write", json={**item, "reward": 0.0})
+        with pytest.raises(httpx.ReadTimeout):  # the trainer gives up on its read
+            client.post("/get_rollout_data", json={"wait_s": 5}, timeout=0.5)
+        for reward in (1.0, 0.0, 1.0):  # the group completes while that read still waits
+            client.post("/buffer/write", json={**item, "reward": reward})
+        time.sleep(1.5)  # long enough for the abandoned read to notice
+        body = client.post("/get_rollout_data", json={}).json()
+    assert len(body["data"]["data"]) == 4  # the group went to the next read, not to the closed one

@@ -6,8 +6,10 @@ import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends
+from starlette.requests import Request
 from starlette.responses import Response
 
+from buffer.hooks import EVALUATION_HOOKS
 from buffer.models import GetRolloutDataRequest, StartRolloutRequest
 from buffer.responses import items_response, json_response
 from buffer.services import Services, services
@@ -25,27 +27,22 @@ async def start_rollout(body: StartRolloutRequest, svc: Annotated[Services, Depe
     """
     await asyncio.to_thread(svc.registry.refresh)  # pick up new and edited generator files
     generator = svc.registry.get(body.task_type)
-    running = svc.jobs.running(body.task_type)
-    if running is not None and not body.restart:
-        return json_response(
-            {
-                "success": True,
-                "message": "Rollout already running",
-                "task_type": body.task_type,
-                "job_id": running.id,
-                "job": svc.jobs.describe(running),
-            }
-        )
-    if running is not None:
-        await svc.jobs.cancel(running.id)
-    settings = _task_settings(body, svc.settings.default_task_settings())
-    svc.buffer.configure_task(body.task_type, settings, generator.hooks)
-    job = svc.jobs.start(generator, _generator_data(body, settings, svc.public_url()))
+    name = body.rollout_name or body.task_type
+    running = svc.jobs.running(name)
+    if running is None or body.restart:
+        if running is not None:
+            await svc.jobs.cancel(running.id)
+        settings = _task_settings(body, svc.settings.default_task_settings())
+        svc.buffer.configure_task(name, settings, EVALUATION_HOOKS if body.evaluation else generator.hooks)
+        job = svc.jobs.start(generator, _generator_data(body, name, settings, svc.public_url()), name=name)
+        message = "Rollout started"
+    else:
+        job, message = running, "Rollout already running"
     return json_response(
         {
             "success": True,
-            "message": "Rollout started",
-            "task_type": body.task_type,
+            "message": message,
+            "task_type": name,
             "job_id": job.id,
             "job": svc.jobs.describe(job),
         }
@@ -63,11 +60,19 @@ def _task_settings(body: StartRolloutRequest, defaults: TaskSettings) -> TaskSet
     )
 
 
-def _generator_data(body: StartRolloutRequest, settings: TaskSettings, buffer_url: str) -> dict[str, Any]:
-    """The trainer's dict with its numbers parsed and the buffer's own defaults filled in."""
+def _generator_data(
+    body: StartRolloutRequest, name: str, settings: TaskSettings, buffer_url: str
+) -> dict[str, Any]:
+    """The trainer's dict with its numbers parsed and the buffer's own defaults filled in.
+
+    ``task_type`` is the buffer task the generator writes to: its own, or the ``rollout_name``
+    it runs under (``generator_task_type`` keeps the generator's)."""
     data = body.model_dump(exclude_none=True)
-    data.pop("restart", None)
+    for control in ("restart", "rollout_name"):
+        data.pop(control, None)
     data.update(
+        task_type=name,
+        generator_task_type=body.task_type,
         num_repeat_per_sample=settings.group_size,
         group_timeout_seconds=settings.group_timeout_s,
         remote_buffer_url=body.remote_buffer_url or buffer_url,
@@ -77,14 +82,15 @@ def _generator_data(body: StartRolloutRequest, settings: TaskSettings, buffer_ur
 
 @router.post("/get_rollout_data")
 async def get_rollout_data(
+    request: Request,
     svc: Annotated[Services, Depends(services)],
     body: Annotated[GetRolloutDataRequest | None, Body()] = None,
 ) -> Response:
     """Take ready groups, whole and oldest first. Nothing ready is a 200 with ``success: false``."""
     body = body or GetRolloutDataRequest()
     svc.check_task(body.task_type)
-    if body.wait_s:
-        await svc.ready.wait_until(lambda: svc.buffer.ready_items(body.task_type) > 0, body.wait_s)
+    if body.wait_s and not await svc.wait_for_items(request, body.task_type, 1, body.wait_s):
+        return Response(status_code=499)  # the client has gone: read nothing it would lose
     result = svc.buffer.read(body.task_type, None if body.batch_size in (None, -1) else body.batch_size)
     items = [item for group in result.groups for item in group.items]
     if not result.groups:

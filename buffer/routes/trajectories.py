@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, Query
+from starlette.requests import Request
 from starlette.responses import Response
 
 from buffer import encoding
@@ -16,14 +17,18 @@ router = APIRouter()
 
 
 @router.post("/buffer/read")
-async def read(svc: Annotated[Services, Depends(services)], body: Annotated[ReadRequest, Body()]) -> Response:
+async def read(
+    request: Request, svc: Annotated[Services, Depends(services)], body: Annotated[ReadRequest, Body()]
+) -> Response:
     """slime's older read: with ``wait``, wait up to ``timeout`` s for ``batch_size`` items."""
     svc.check_task(body.task_type)
     limit = None if body.batch_size == -1 else body.batch_size
-    if body.wait and body.timeout:
-        await svc.ready.wait_until(
-            lambda: svc.buffer.ready_items(body.task_type) >= (limit or 1), body.timeout
-        )
+    if (
+        body.wait
+        and body.timeout
+        and not await svc.wait_for_items(request, body.task_type, limit or 1, body.timeout)
+    ):
+        return Response(status_code=499)  # the client has gone: read nothing it would lose
     result = svc.buffer.read(body.task_type, limit)
     items = [item for group in result.groups for item in group.items]
     if not items:
