@@ -1,0 +1,211 @@
+"""Trajectories to training samples: `SampleConverter` and its one-off form `to_training_sample`.
+
+Two paths, chosen per trajectory:
+
+- token in, token out: a single-turn trajectory whose ``extra_info`` carries the engine's
+  ``prompt_token_ids`` and ``token_ids`` is used as generated, without re-tokenising; its ``logprobs``
+  become ``rollout_log_probs``.
+- re-tokenise: anything else (multi-turn trajectories, or ones without token ids) is rendered whole
+  by the tokenizer's chat template, so ``tokens`` is exactly ``apply_chat_template(messages, tools=tools)``,
+  and the loss mask is read off the rendered text (`buffer.samples.masking`). Per-turn token ids of a
+  multi-turn trajectory are not spliced together: the tokens between the turns (tool results, user turns,
+  headers) would have to be tokenised on their own, which need not match tokenising the conversation, and
+  templates that rewrite earlier turns make the turns as generated differ from the conversation trained on.
+  Their log probabilities are dropped for the same reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from buffer.samples import masking
+from buffer.samples.sample import SampleConversionError, TrainingSample, sample_status
+from buffer.samples.template import (
+    ChatTemplateAnalysis,
+    Tools,
+    analyse_chat_template,
+    render_chat,
+    template_errors,
+    template_tools,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+class SampleConverter:
+    """Converts trajectories with one tokenizer, analysing its chat template once, up front."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, tools: Tools | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.analysis: ChatTemplateAnalysis = analyse_chat_template(tokenizer, tools=tools)
+        self._offsets_warned = False
+
+    def convert_many(self, trajectories: Iterable[Mapping[str, Any]]) -> list[TrainingSample]:
+        return [self.convert(trajectory) for trajectory in trajectories]
+
+    def convert(self, trajectory: Mapping[str, Any]) -> TrainingSample:
+        try:
+            return self._convert(trajectory)
+        except SampleConversionError as exc:
+            raise SampleConversionError(f"trajectory {trajectory.get('uid')!r}: {exc}") from exc
+
+    def _convert(self, trajectory: Mapping[str, Any]) -> TrainingSample:
+        messages = trajectory.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+            raise SampleConversionError("messages: not a list of messages")
+        turns = sum(1 for m in messages if m.get("role") == "assistant")
+        if not turns:
+            raise SampleConversionError("messages: no assistant message, so nothing to train on")
+        extra_info = trajectory.get("extra_info", {})
+        if not isinstance(extra_info, dict):
+            raise SampleConversionError("extra_info: not an object")
+        reward = _number(trajectory.get("reward"), "reward")
+        raw = trajectory.get("raw_reward")
+        status = sample_status(extra_info.get("finish_reason"))
+
+        generated = None
+        if turns == 1 and messages[-1].get("role") == "assistant":
+            generated = _engine_tokens(extra_info)
+        if generated is not None:
+            prompt_ids, response_ids = generated
+            tokens, loss_mask = prompt_ids + response_ids, [1] * len(response_ids)
+            log_probs = _rollout_log_probs(extra_info, len(response_ids))
+        else:
+            if "token_ids" in extra_info:
+                logger.debug(
+                    "re-tokenising trajectory %r: token ids are used for single-turn ones only",
+                    trajectory.get("uid"),
+                )
+            last_turn_ended = status == "completed" or messages[-1].get("role") != "assistant"
+            tokens, loss_mask = self._tokenise(messages, turns, last_turn_ended=last_turn_ended)
+            log_probs = None
+        return TrainingSample(
+            tokens=tokens,
+            loss_mask=loss_mask,
+            response_length=len(loss_mask),
+            reward=reward,
+            raw_reward=reward if raw is None else _number(raw, "raw_reward"),
+            status=status,
+            metadata=extra_info,
+            rollout_log_probs=log_probs,
+            uid=trajectory.get("uid"),
+            instance_id=trajectory.get("instance_id"),
+        )
+
+    def _tokenise(
+        self, messages: Sequence[Mapping[str, Any]], turns: int, *, last_turn_ended: bool
+    ) -> tuple[list[int], list[int]]:
+        """The conversation's tokens and the loss mask over its response (from the first generated token)."""
+        conversation = [dict(m) for m in messages]
+        try:
+            text = render_chat(self.tokenizer, conversation, tools=self.tools)
+            ids, offsets = self._encode(conversation)
+        except template_errors() as exc:
+            raise SampleConversionError(f"the chat template cannot render the messages: {exc}") from exc
+        spans = masking.assistant_spans(text, self.analysis, turns, last_turn_ended=last_turn_ended)
+        if offsets is not None and masking.offsets_partition(offsets, len(text)):
+            mask = masking.mask_from_offsets(offsets, spans)
+        else:
+            if not self._offsets_warned:
+                self._offsets_warned = True
+                logger.info(
+                    "no usable token offsets from %s; placing tokens by decoding",
+                    type(self.tokenizer).__name__,
+                )
+            mask = masking.mask_from_decoding(self.tokenizer, ids, text, spans)
+        if 1 not in mask:
+            raise SampleConversionError("no token of the assistant turns is the model's")
+        return ids, mask[mask.index(1) :]
+
+    def _encode(self, conversation: list[dict[str, Any]]) -> tuple[list[int], list[tuple[int, int]] | None]:
+        """``apply_chat_template(tokenize=True)``'s token ids, and their character spans if it has them."""
+        tools = template_tools(self.tools)
+        try:
+            encoding = self.tokenizer.apply_chat_template(
+                conversation,
+                tools=tools,
+                tokenize=True,
+                return_dict=True,
+                tokenizer_kwargs={"return_offsets_mapping": True},
+            )
+        except NotImplementedError:  # a tokenizer without offsets (a Python one)
+            encoding = self.tokenizer.apply_chat_template(
+                conversation, tools=tools, tokenize=True, return_dict=True
+            )
+        if not isinstance(encoding, Mapping) or not encoding.get("input_ids"):
+            raise SampleConversionError("apply_chat_template(tokenize=True) gave no token ids")
+        ids: list[int] = list(encoding["input_ids"])
+        offsets: list[tuple[int, int]] | None = encoding.get("offset_mapping")
+        return ids, (list(offsets) if offsets is not None and len(offsets) == len(ids) else None)
+
+
+def to_training_sample(
+    trajectory: Mapping[str, Any],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    tools: Tools | None = None,
+) -> TrainingSample:
+    """One trajectory as a training sample (for many, build one `SampleConverter` and reuse it)."""
+    return SampleConverter(tokenizer, tools=tools).convert(trajectory)
+
+
+def _number(value: object, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SampleConversionError(f"{field}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _per_turn(value: object) -> list[list[Any]] | None:
+    """Per-turn lists, accepting one flat list as a single turn."""
+    if not isinstance(value, list):
+        return None
+    if value and all(isinstance(turn, list) for turn in value):
+        return value
+    if all(not isinstance(item, list) for item in value):
+        return [value]
+    return None
+
+
+def _int_list(value: object) -> list[int] | None:
+    if isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        return value
+    return None
+
+
+def _engine_tokens(extra_info: Mapping[str, Any]) -> tuple[list[int], list[int]] | None:
+    """The engine's prompt and response token ids of a single-turn trajectory, if it kept valid ones."""
+    if "prompt_token_ids" not in extra_info or "token_ids" not in extra_info:
+        return None
+    prompt_ids = _int_list(extra_info["prompt_token_ids"])
+    turns = _per_turn(extra_info["token_ids"])
+    response_ids = _int_list(turns[0]) if turns is not None and len(turns) == 1 else None
+    if prompt_ids is None or not response_ids:
+        logger.warning(
+            "extra_info token ids are not one non-empty list of ints for the one turn; re-tokenising instead"
+        )
+        return None
+    return list(prompt_ids), list(response_ids)
+
+
+def _rollout_log_probs(extra_info: Mapping[str, Any], response_length: int) -> list[float] | None:
+    if extra_info.get("logprobs") is None:
+        return None
+    turns = _per_turn(extra_info["logprobs"])
+    values = turns[0] if turns is not None and len(turns) == 1 else None
+    if values is None or len(values) != response_length:
+        logger.warning(
+            "extra_info logprobs do not match the %d response tokens (got %s); rollout_log_probs left None",
+            response_length,
+            "a malformed value" if values is None else f"{len(values)}",
+        )
+        return None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        logger.warning("extra_info logprobs hold non-numbers; rollout_log_probs left None")
+        return None
+    return [float(v) for v in values]
