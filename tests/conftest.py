@@ -14,6 +14,13 @@ from buffer.settings import Settings
 from tests.factories import FakeClock
 
 
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    """The service and the toolkit run on asyncio (uvicorn's loop); trio is installed only
+    because selenium needs it."""
+    return "asyncio"
+
+
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
