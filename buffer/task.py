@@ -112,6 +112,7 @@ class TaskBuffer:
         self.delivered_groups = 0
         self.discarded: Counter[str] = Counter()
         self.set_aside_total = 0
+        self.rewards = RewardStats()  # every raw reward written, for metrics and the dashboard
         # Since the last successful read: what meta_info reports.
         self.window = RewardStats()
         self.window_instances: set[InstanceId] = set()
@@ -136,6 +137,7 @@ class TaskBuffer:
         self.pending_items += 1
         self.written += 1
         self.window.add(record.reward)
+        self.rewards.add(record.reward)
         self.window_instances.add(instance_id)
         if self._keep_window_records:
             self.window_records.append((instance_id, record))
@@ -254,5 +256,8 @@ class TaskBuffer:
             "delivered_items": self.delivered_items,
             "discarded_groups": dict(self.discarded),
             "set_aside_groups": self.set_aside_total,
+            "reward_count": self.rewards.count,
+            "reward_mean": self.rewards.mean if self.rewards.count else 0.0,
+            "reward_std": self.rewards.sample_std,
             "hooks_overridden": sorted(self.hooks.overridden),
         }

@@ -17,9 +17,11 @@ never with ``content: null``. Progress goes to the log and to the job (``GET /jo
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import functools
 import inspect
+import itertools
 import logging
 import time
 import uuid
@@ -34,10 +36,13 @@ from buffer.toolkit.agent import single_turn
 from buffer.toolkit.dataset import Plan, read_rows
 from buffer.toolkit.llm import ChatClient, ContinuePolicy, RetryPolicy
 from buffer.toolkit.sink import RejectedTrajectory, TrajectorySink, open_sink
-from buffer.toolkit.types import Episode, GroupRewardFn, Message, RewardFn, Sample
+from buffer.toolkit.types import Completion, Episode, GroupRewardFn, Message, RewardFn, Sample
 from default_func import FAILURE_REWARD
 
 logger = logging.getLogger(__name__)
+
+#: Upper bounds of the completion latency histogram on ``Progress`` (seconds; +Inf implied).
+LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 Rollout = Callable[..., Awaitable[Episode]]
 
@@ -82,19 +87,42 @@ class Progress:
     completed: int = 0
     failed: int = 0
     rejected: int = 0
+    #: LLM requests: HTTP requests to the policy server, and those that retried a failure.
+    requests: int = 0
+    retries: int = 0
+    #: Completions per latency bucket (not cumulative; the last one is +Inf), and their sum.
+    latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    latency_sum_s: float = 0.0
     started_at: float = field(default_factory=time.monotonic)
 
     @property
     def in_flight(self) -> int:
         return self.started - self.completed
 
+    def record(self, completions: list[Completion]) -> None:
+        """Count the LLM requests of one episode's completions (a continuation is no retry)."""
+        for completion in completions:
+            self.requests += completion.attempts
+            self.retries += max(0, completion.attempts - 1 - completion.continuations)
+            self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, completion.latency_s)] += 1
+            self.latency_sum_s += completion.latency_s
+
     def snapshot(self) -> dict[str, Any]:
+        """Plain numbers for the job: the latency buckets cumulative, keyed by their bound."""
         elapsed = time.monotonic() - self.started_at
+        hidden = ("started_at", "task_type", "latency_counts", "latency_sum_s")
+        cumulative = list(itertools.accumulate(self.latency_counts))
         return {
-            **{k: v for k, v in asdict(self).items() if k not in ("started_at", "task_type")},
+            **{k: v for k, v in asdict(self).items() if k not in hidden},
             "in_flight": self.in_flight,
             "elapsed_s": round(elapsed, 1),
             "trajectories_per_s": round(self.completed / elapsed, 2) if elapsed > 0 else 0.0,
+            "latency_s_buckets": {
+                **{repr(le): count for le, count in zip(LATENCY_BUCKETS_S, cumulative, strict=False)},
+                "+Inf": cumulative[-1],
+            },
+            "latency_s_count": cumulative[-1],
+            "latency_s_sum": round(self.latency_sum_s, 6),
         }
 
     def line(self) -> str:
@@ -218,6 +246,8 @@ class _Run:
             outcome: Episode | BaseException = await self.rollout(sample)
         except Exception as exc:  # retries are spent: the trajectory fails, the run goes on
             outcome = exc
+        if isinstance(outcome, Episode):
+            self.progress.record(outcome.completions)
         if self.group_reward is not None:
             await self._collect(sample, outcome)
         else:

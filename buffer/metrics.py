@@ -1,0 +1,143 @@
+"""The service's Prometheus metrics, read at scrape time.
+
+Nothing here runs on the write path: ``BufferCollector.collect`` reads the buffer's counters
+(``RolloutBuffer.stats()``) and every job's published progress when ``/metrics`` is scraped.
+
+The LLM figures (requests, retries, failed trajectories, latency histogram, throughput) are
+those of ``buffer.toolkit.run_rollouts`` as it publishes them on ``job.progress``; they are
+summed over the jobs of a task the job manager still keeps, so a forgotten job's share
+leaves its counters (Prometheus reads that as a counter reset).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from buffer.jobs import JobManager, JobStatus
+from buffer.rollout_buffer import RolloutBuffer
+
+PREFIX = "rollout_buffer_"
+GROUP_STATES = ("pending", "ready")
+JOB_STATES = tuple(status.value for status in JobStatus)
+#: The counters ``run_rollouts`` publishes on a job, and the metric each one sums into.
+JOB_COUNTERS = {
+    "completed": ("generator_trajectories_completed", "Trajectories a generator finished (failed included)"),
+    "failed": ("llm_errors", "Trajectories that failed after their LLM retries, or in their reward"),
+    "requests": ("llm_requests", "HTTP requests to the policy server, retries and continuations included"),
+    "retries": ("llm_retries", "LLM requests that retried a failed one (continuations excluded)"),
+}
+
+
+class BufferCollector(Collector):
+    """Every metric of one service, built afresh from its buffer and jobs on each scrape."""
+
+    def __init__(self, buffer: RolloutBuffer, jobs: JobManager) -> None:
+        self._buffer = buffer
+        self._jobs = jobs
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._buffer_metrics(self._buffer.stats())
+        yield from self._job_metrics()
+
+    def _buffer_metrics(self, stats: dict[str, Any]) -> Iterator[Metric]:
+        tasks: dict[str, dict[str, Any]] = stats["tasks"]
+        written = _counter("trajectories_written", "Trajectories buffered (duplicates excluded)")
+        delivered = _counter("trajectories_delivered", "Trajectories handed to the trainer")
+        items = _gauge("items", "Trajectories buffered now, by state", ["task", "state"])
+        groups = _gauge("groups", "Groups buffered now, by state", ["task", "state"])
+        groups_delivered = _counter("groups_delivered", "Groups handed to the trainer")
+        discarded = _counter("groups_discarded", "Groups dropped, by reason", ["task", "reason"])
+        set_aside = _counter("groups_set_aside", "Groups set aside because a hook failed on them")
+        rewards = _counter("rewards", "Rewards written")
+        reward_mean = _gauge("reward_mean", "Mean of every reward written")
+        reward_std = _gauge("reward_std", "Sample standard deviation of every reward written")
+        for task, counters in tasks.items():
+            written.add_metric([task], counters["total_written"])
+            delivered.add_metric([task], counters["delivered_items"])
+            groups_delivered.add_metric([task], counters["delivered_groups"])
+            set_aside.add_metric([task], counters["set_aside_groups"])
+            for state in GROUP_STATES:
+                items.add_metric([task, state], counters[f"{state}_items"])
+                groups.add_metric([task, state], counters[f"{state}_groups"])
+            for reason, count in sorted(counters["discarded_groups"].items()):
+                discarded.add_metric([task, reason], count)
+            rewards.add_metric([task], counters["reward_count"])
+            reward_mean.add_metric([task], counters["reward_mean"])
+            reward_std.add_metric([task], counters["reward_std"])
+        duplicates = CounterMetricFamily(PREFIX + "duplicates", "Writes of a uid already seen, ignored")
+        duplicates.add_metric([], stats["duplicates"])
+        yield from (written, delivered, items, groups, groups_delivered, discarded, set_aside)
+        yield from (rewards, reward_mean, reward_std, duplicates)
+
+    def _job_metrics(self) -> Iterator[Metric]:
+        by_state: Counter[str] = Counter()
+        by_task: Counter[tuple[str, str]] = Counter()
+        totals: dict[str, Counter[str]] = {key: Counter() for key in JOB_COUNTERS}
+        throughput: Counter[str] = Counter()
+        latency: dict[str, Counter[str]] = {}
+        latency_sum: Counter[str] = Counter()
+        for job in self._jobs.list():
+            task, state = job.task_type, job.status.value
+            by_state[state] += 1
+            by_task[task, state] += 1
+            progress = dict(job.progress)  # a generator thread may be updating it
+            if not progress:
+                continue
+            for key, counts in totals.items():
+                counts[task] += progress.get(key, 0)
+            if job.status is JobStatus.RUNNING:
+                throughput[task] += progress.get("trajectories_per_s", 0.0)
+            buckets = progress.get("latency_s_buckets")
+            if buckets:
+                latency.setdefault(task, Counter()).update(buckets)
+                latency_sum[task] += progress.get("latency_s_sum", 0.0)
+
+        jobs = _gauge("jobs", "Generator jobs the service keeps, by state", ["state"])
+        for state in JOB_STATES:
+            jobs.add_metric([state], by_state[state])
+        task_jobs = _gauge(
+            "task_jobs", "Generator jobs the service keeps, by task and state", ["task", "state"]
+        )
+        for task in sorted({task for task, _ in by_task}):
+            for state in JOB_STATES:
+                task_jobs.add_metric([task, state], by_task[task, state])
+        yield from (jobs, task_jobs)
+
+        for key, (name, documentation) in JOB_COUNTERS.items():
+            family = _counter(name, documentation)
+            for task, count in sorted(totals[key].items()):
+                family.add_metric([task], count)
+            yield family
+        rate = _gauge("generator_trajectories_per_second", "Trajectories per second of the running jobs")
+        for task, value in sorted(throughput.items()):
+            rate.add_metric([task], value)
+        yield rate
+        histogram = HistogramMetricFamily(
+            PREFIX + "llm_request_latency_seconds",
+            "Latency of each LLM answer, retries and continuations included",
+            labels=["task"],
+        )
+        for task, counts in sorted(latency.items()):
+            ordered = sorted(counts.items(), key=lambda bucket: float(bucket[0]))
+            histogram.add_metric([task], ordered, latency_sum[task])
+        yield histogram
+
+
+def build_registry(buffer: RolloutBuffer, jobs: JobManager) -> CollectorRegistry:
+    """A registry of its own for one service (never the process-wide default one)."""
+    registry = CollectorRegistry()
+    registry.register(BufferCollector(buffer, jobs))
+    return registry
+
+
+def _counter(name: str, documentation: str, labels: list[str] | None = None) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, documentation, labels=labels or ["task"])
+
+
+def _gauge(name: str, documentation: str, labels: list[str] | None = None) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, documentation, labels=labels or ["task"])
