@@ -17,12 +17,14 @@ from starlette.responses import Response
 
 from buffer import __version__
 from buffer.errors import RolloutBufferError
+from buffer.history import History
 from buffer.jobs import JobManager
+from buffer.logs import RequestIdMiddleware
 from buffer.models import TRAJECTORY, invalid_input
 from buffer.registry import GeneratorRegistry
 from buffer.responses import envelope
 from buffer.rollout_buffer import RolloutBuffer
-from buffer.routes import jobs, rollout, service, trajectories, writes
+from buffer.routes import dashboard, jobs, metrics, rollout, service, tail, trajectories, writes
 from buffer.services import Services, local_url
 from buffer.settings import Settings
 from buffer.signals import ReadySignal
@@ -43,9 +45,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ready = ReadySignal()
         buffer.add_listener(ready.notify)
         job_manager = JobManager(buffer, local_url(settings))
-        app.state.services = Services(settings, buffer, registry, job_manager, ready)
+        history = History()
+        app.state.services = Services(settings, buffer, registry, job_manager, ready, history)
         sweeper = asyncio.create_task(
-            _sweep_timeouts(buffer, settings.sweep_interval_s), name="timeout-sweeper"
+            _sweep_timeouts(buffer, history, settings.sweep_interval_s), name="timeout-sweeper"
         )
         logger.info(
             "rollout buffer %s: generators from %s: %s",
@@ -62,8 +65,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="rollout-buffer", version=__version__, lifespan=lifespan)
     app.router.routes[:0] = writes.ROUTES  # first: matched before any other route is tried
-    for module in (rollout, trajectories, jobs, service):
+    for module in (rollout, trajectories, jobs, service, metrics, dashboard, tail):
         app.include_router(module.router)
+    app.add_middleware(RequestIdMiddleware)
     app.add_exception_handler(RolloutBufferError, _buffer_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
@@ -72,12 +76,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-async def _sweep_timeouts(buffer: RolloutBuffer, interval_s: float) -> None:
-    """Finish timed-out groups even when no request comes to do it."""
+async def _sweep_timeouts(buffer: RolloutBuffer, history: History, interval_s: float) -> None:
+    """Finish timed-out groups even when no request comes to do it; sample the history."""
     while True:
         await asyncio.sleep(interval_s)
         try:
             buffer.expire()
+            history.sample(buffer)
         except Exception:
             logger.exception("timeout sweep failed")
 

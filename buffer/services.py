@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from buffer.errors import UnknownTask
+from buffer.history import History
 from buffer.jobs import JobManager
 from buffer.registry import GeneratorRegistry
 from buffer.rollout_buffer import RolloutBuffer
@@ -22,6 +23,7 @@ class Services:
     registry: GeneratorRegistry
     jobs: JobManager
     ready: ReadySignal
+    history: History
 
     def public_url(self) -> str:
         return local_url(self.settings)

@@ -1,0 +1,70 @@
+"""A short history of the buffer's counters, sampled once a second, for the dashboard.
+
+Each sample is a plain dict::
+
+    {"t": <wall-clock seconds>, "total_written": int, "total_read": int,
+     "tasks": {task_type: {"written", "delivered_items", "pending_groups", "ready_groups",
+                           "delivered_groups", "reward_mean", "reward_std"}}}
+
+The rewards are all-time statistics of the task (from its counters), not per-interval ones.
+Rates (trajectories per second) are left to the reader: they are the difference of two
+successive ``total_written`` over the difference of their ``t``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from buffer.rollout_buffer import RolloutBuffer
+
+#: The task counters each sample keeps, under the names the sample gives them.
+TASK_FIELDS = {
+    "written": "total_written",
+    "delivered_items": "delivered_items",
+    "pending_groups": "pending_groups",
+    "ready_groups": "ready_groups",
+    "delivered_groups": "delivered_groups",
+    "reward_mean": "reward_mean",
+    "reward_std": "reward_std",
+}
+
+
+class History:
+    """The last ``keep`` samples, at most one per ``interval_s`` (ten minutes at one a second).
+
+    The sweeper may call ``sample`` more often than ``interval_s``: the extra calls are skipped,
+    so the history always spans the same time."""
+
+    def __init__(
+        self, keep: int = 600, interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._samples: deque[dict[str, Any]] = deque(maxlen=keep)
+        self._interval_s = interval_s
+        self._clock = clock
+        self._last: float | None = None
+
+    def sample(self, buffer: RolloutBuffer) -> dict[str, Any] | None:
+        """Record the buffer's counters; the sample, or None when the last is too recent."""
+        now = self._clock()
+        # 5% slack: a sweeper sleeping exactly ``interval_s`` must not skip every other tick.
+        if self._last is not None and now - self._last < self._interval_s * 0.95:
+            return None
+        self._last = now
+        stats = buffer.stats()
+        entry = {
+            "t": time.time(),
+            "total_written": stats["total_written"],
+            "total_read": stats["total_read"],
+            "tasks": {
+                name: {field: counters[source] for field, source in TASK_FIELDS.items()}
+                for name, counters in stats["tasks"].items()
+            },
+        }
+        self._samples.append(entry)
+        return entry
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return list(self._samples)

@@ -1,0 +1,216 @@
+"""The dashboard, end to end: the real service in a subprocess, the page in headless Chromium.
+
+The test writes trajectories over HTTP while the page polls, and checks that the charts hold
+drawn pixels, that what the page drew changes as samples arrive, that the generator which
+failed to import is listed and that the job table shows the job. It leaves a screenshot in
+``docs/dashboard.png`` for the README.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from buffer.demo import free_port, started, wait_ready
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+SCREENSHOT = REPO_ROOT / "docs" / "dashboard.png"
+CHARTS = ("chart-rate", "chart-groups", "chart-delivered", "chart-reward")
+
+BROKEN_GENERATOR = """
+TASK_TYPE = "broken"
+raise RuntimeError("broken on purpose: the dashboard lists me")
+"""
+
+# Imports fine, fails when run: a job with an error for the job table.
+MATH_GENERATOR = """
+TASK_TYPE = "math"
+
+
+def run_rollout(data):
+    raise RuntimeError("no policy server in this test")
+"""
+
+# Count the canvas pixels that are not transparent.
+PAINTED_PIXELS = """
+const canvas = document.getElementById(arguments[0]);
+if (!canvas || !canvas.width || !canvas.height) return 0;
+const pixels = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
+let painted = 0;
+for (let i = 3; i < pixels.length; i += 4) if (pixels[i] !== 0) painted++;
+return painted;
+"""
+
+_uids = itertools.count()
+
+
+def _trajectory(task_type: str, instance: int, k: int) -> dict[str, Any]:
+    return {
+        "instance_id": f"{task_type}-{instance}",
+        "uid": f"uid-{next(_uids)}",
+        "task_type": task_type,
+        "messages": [
+            {"role": "user", "content": "What is 1 + 1?"},
+            {"role": "assistant", "content": "\\boxed{2}"},
+        ],
+        "reward": ((instance + k) % 3) / 2 if task_type == "math" else 0.25 + ((instance + k) % 4) / 8,
+        "extra_info": {},
+    }
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[str]:
+    generators = tmp_path / "generators"
+    generators.mkdir()
+    (generators / "broken_generator.py").write_text(textwrap.dedent(BROKEN_GENERATOR))
+    (generators / "math_generator.py").write_text(textwrap.dedent(MATH_GENERATOR))
+    port = free_port()
+    command = [sys.executable, "buffer.py", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--generator-dir", str(generators), "--group-size", "2", "--log-level", "warning"]
+    command += ["--sweep-interval-s", "0.2"]
+    url = f"http://127.0.0.1:{port}"
+    with started(command, "rollout buffer", tmp_path / "buffer.log") as process:
+        wait_ready(f"{url}/health", process, 30, "the rollout buffer")
+        yield url
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[Any]:
+    if not CHROMIUM.exists() or not CHROMEDRIVER.exists():
+        pytest.skip(f"needs {CHROMIUM} and {CHROMEDRIVER} (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--window-size=1400,1380",
+        f"--user-data-dir={tmp_path / 'chromium'}",
+    ):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(str(CHROMEDRIVER)))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _state(driver: Any) -> dict[str, Any]:
+    state: dict[str, Any] = driver.execute_script("return window.dashboardState")
+    return state
+
+
+def _wait_for(driver: Any, condition: str, timeout_s: float) -> None:
+    """Poll a JavaScript expression until it is true (the page's own state, never a fixed sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while not driver.execute_script(f"return Boolean({condition})"):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {timeout_s} s: {condition}; state {_state(driver)}")
+        time.sleep(0.1)
+
+
+def test_dashboard_draws_live_charts_jobs_and_failed_generators(service: str, browser: Any) -> None:
+    with httpx.Client(base_url=service, timeout=10.0, trust_env=False) as client:
+        data = client.get("/dashboard/data").json()
+        assert set(data) == {"history", "stats", "jobs", "generators", "generator_errors"}
+        assert [error["task_type"] for error in data["generator_errors"]] == ["broken"]
+
+        started_rollout = client.post("/start_rollout", json={"task_type": "math"}).json()
+        assert started_rollout["success"], started_rollout
+
+        browser.get(f"{service}/dashboard")
+        _wait_for(browser, "window.dashboardState && window.dashboardState.updates >= 1", 10)
+        first = _state(browser)
+
+        # Write for a few seconds, reading now and then, so every chart has something to show.
+        deadline = time.monotonic() + 4.0
+        instance = 0
+        while time.monotonic() < deadline:
+            batch = [_trajectory(task, instance, k) for task in ("math", "code") for k in range(2)]
+            assert client.post("/buffer/write_batch", json=batch).json()["success"]
+            if instance % 5 == 4:
+                read = client.post("/get_rollout_data", json={"task_type": "math", "batch_size": 4})
+                assert read.status_code == 200, read.text
+            instance += 1
+            time.sleep(0.05)
+
+        # The page keeps polling: it has drawn newer samples than at first, with the writes in them.
+        _wait_for(
+            browser,
+            f"window.dashboardState.samples >= {first['samples'] + 3}"
+            " && window.dashboardState.charts['chart-reward'].series === 2",
+            10,
+        )
+        last = _state(browser)
+        assert last["updates"] > first["updates"]
+        assert last["lastSampleT"] > (first["lastSampleT"] or 0)
+        for chart in CHARTS:
+            assert last["charts"][chart]["points"] > 0, chart
+            assert browser.execute_script(PAINTED_PIXELS, chart) > 500, f"{chart} is blank"
+
+        failed = browser.find_elements("css selector", "#generator-errors li.generator-error")
+        assert len(failed) == 1
+        assert "broken" in failed[0].text
+        assert "broken on purpose" in failed[0].text
+
+        rows = browser.find_elements("css selector", "#jobs tbody tr")
+        assert len(rows) == 1
+        assert "job-1" in rows[0].text
+        assert "no policy server in this test" in rows[0].text
+
+        tasks = browser.find_element("css selector", "#tasks tbody").text
+        assert "math" in tasks
+        assert "code" in tasks
+
+        SCREENSHOT.parent.mkdir(exist_ok=True)
+        assert browser.save_screenshot(str(SCREENSHOT))
+
+
+def test_history_samples_task_counters_once_per_interval_and_keeps_the_last() -> None:
+    from buffer.history import History
+    from buffer.rollout_buffer import RolloutBuffer
+    from buffer.task import TaskSettings
+
+    clock = [0.0]
+    history = History(keep=3, interval_s=1.0, clock=lambda: clock[0])
+    buffer = RolloutBuffer(TaskSettings(group_size=2))
+    buffer.write_many([_trajectory("math", 0, 0), _trajectory("math", 0, 1)])
+
+    first = history.sample(buffer)
+    assert first is not None
+    assert first["total_written"] == 2
+    assert first["total_read"] == 0
+    assert first["tasks"]["math"] == {
+        "written": 2,
+        "delivered_items": 0,
+        "pending_groups": 0,
+        "ready_groups": 1,
+        "delivered_groups": 0,
+        "reward_mean": 0.25,
+        "reward_std": pytest.approx(0.3535, abs=1e-3),
+    }
+    clock[0] = 0.5
+    assert history.sample(buffer) is None  # a sweeper faster than the interval adds nothing
+    for step in range(1, 5):
+        clock[0] = float(step)
+        assert history.sample(buffer) is not None
+    assert len(history.snapshot()) == 3
