@@ -51,6 +51,7 @@ class RolloutBuffer:
         hooks_for: Callable[[str], Hooks] | None = None,
         clock: Callable[[], float] = time.monotonic,
         dedup_window: int = 1_000_000,
+        recent: int = 1000,
     ) -> None:
         """``hooks_for`` gives the hooks of a task first met through a write; ``dedup_window``
         bounds how many uids of trajectories no longer buffered are remembered."""
@@ -67,6 +68,9 @@ class RolloutBuffer:
         self._listeners: list[Callable[[], None]] = []
         self.duplicates = 0
         self.total_read = 0
+        #: The last trajectories written, newest last: (seq, task, instance_id, uid, reward, time).
+        self.recent: deque[tuple[int, str, InstanceId, str, float, float]] = deque(maxlen=recent)
+        self._written_seq = 0
 
     # -- tasks -------------------------------------------------------------------------
 
@@ -122,6 +126,7 @@ class RolloutBuffer:
         Errors name the field as ``<index>.<field>`` when ``numbered``."""
         with self._lock:
             now = self._clock()
+            wall = time.time()
             prepared = [
                 self._prepare(f"{index}." if numbered else "", item) for index, item in enumerate(items)
             ]
@@ -134,6 +139,10 @@ class RolloutBuffer:
                     continue
                 self._remember(record.uid)
                 task.add(instance_id, record, now)
+                self._written_seq += 1
+                self.recent.append(
+                    (self._written_seq, task.task_type, instance_id, record.uid, record.reward, wall)
+                )
                 touched.add(task)
                 results.append(WriteResult(record.uid, task.task_type, duplicate=False))
             for task in touched:
