@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, CliImplicitFlag, SettingsConfigDict
 
+from buffer.logs import LogFormat
 from buffer.task import TaskSettings
 
 #: ``generator/`` beside ``buffer.py``: the checkout's, or the installed copy's.
@@ -41,6 +42,9 @@ class Settings(BaseSettings):
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="log level"
+    )
+    log_format: LogFormat = Field(
+        "text", description="text: one readable line per event; json: one JSON object a line"
     )
     access_log: CliImplicitFlag[bool] = Field(False, description="log every HTTP request (costs throughput)")
     dedup_window: int = Field(
