@@ -163,7 +163,7 @@ def _batch_size(value: _N) -> _N:
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
-def invalid_input(errors: Sequence[Any], prefix: str = "") -> InvalidInput:
+def invalid_input(errors: Sequence[Any]) -> InvalidInput:
     """Turn pydantic's errors (``ValidationError.errors()``) into ``InvalidInput``, one entry
     per field.
 
@@ -177,7 +177,7 @@ def invalid_input(errors: Sequence[Any], prefix: str = "") -> InvalidInput:
             for part in error["loc"]
             if not (isinstance(part, str) and (part in _UNION_TAGS or "[" in part or "-" in part))
         ]
-        field = prefix + (".".join(parts) or "body")
+        field = ".".join(parts) or "body"
         message = error["msg"].removeprefix("Value error, ")
         if message not in reasons.setdefault(field, []):
             reasons[field].append(message)

@@ -25,9 +25,6 @@ class Services:
     ready: ReadySignal
     history: History
 
-    def public_url(self) -> str:
-        return local_url(self.settings)
-
     async def wait_for_items(
         self, request: Request, task_type: str | None, count: int, timeout_s: float
     ) -> bool:

@@ -95,10 +95,7 @@ class TaskBuffer:
         keep_set_aside: int = 100,
     ) -> None:
         self.task_type = task_type
-        self.settings = settings
-        self.hooks = hooks
-        # A custom meta hook needs the trajectories written since the last read; the default doesn't.
-        self._keep_window_records = "get_group_data_meta_info" in hooks.overridden
+        self.reconfigure(settings, hooks)
         self._sequence = sequence
         self._on_ready = on_ready
         self.open: OrderedDict[InstanceId, OpenGroup] = OrderedDict()
@@ -124,6 +121,7 @@ class TaskBuffer:
         """New settings apply to groups opened from now on; open groups keep their size."""
         self.settings = settings
         self.hooks = hooks
+        # A custom meta hook needs the trajectories written since the last read; the default doesn't.
         self._keep_window_records = "get_group_data_meta_info" in hooks.overridden
 
     def add(self, instance_id: InstanceId, record: Record, now: float) -> None:

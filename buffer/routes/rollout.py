@@ -12,7 +12,7 @@ from starlette.responses import Response
 from buffer.hooks import EVALUATION_HOOKS
 from buffer.models import GetRolloutDataRequest, StartRolloutRequest
 from buffer.responses import items_response, json_response
-from buffer.services import Services, services
+from buffer.services import Services, local_url, services
 from buffer.task import TaskSettings
 
 router = APIRouter()
@@ -34,7 +34,9 @@ async def start_rollout(body: StartRolloutRequest, svc: Annotated[Services, Depe
             await svc.jobs.cancel(running.id)
         settings = _task_settings(body, svc.settings.default_task_settings())
         svc.buffer.configure_task(name, settings, EVALUATION_HOOKS if body.evaluation else generator.hooks)
-        job = svc.jobs.start(generator, _generator_data(body, name, settings, svc.public_url()), name=name)
+        job = svc.jobs.start(
+            generator, _generator_data(body, name, settings, local_url(svc.settings)), name=name
+        )
         message = "Rollout started"
     else:
         job, message = running, "Rollout already running"
