@@ -1,6 +1,8 @@
 # The rollout buffer service alone (the base install: no torch, no CUDA).
 #   docker build -t rollout-buffer .
 #   docker run -p 8889:8889 -v "$PWD/my_generators:/app/generator:ro" rollout-buffer
+# The buffer is kept on disk in /data (a volume: mount one to keep it across containers,
+# e.g. -v rollout-data:/data); docker stop sends SIGTERM, which flushes it and exits 0.
 # Options are flags (docker run rollout-buffer python buffer.py --help) or
 # ROLLOUT_BUFFER_* variables, e.g. -e ROLLOUT_BUFFER_GROUP_SIZE=8.
 FROM python:3.11-slim
@@ -21,8 +23,11 @@ COPY generator/ generator/
 RUN pip install . \
     && rm -rf build ./*.egg-info
 
-RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin rollout
+RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin rollout \
+    && mkdir /data && chown rollout /data
 USER rollout
+ENV ROLLOUT_BUFFER_DATA_DIR=/data
+VOLUME /data
 
 EXPOSE 8889
 HEALTHCHECK --interval=30s --timeout=5s --start-period=10s --retries=3 \

@@ -8,6 +8,9 @@ opens a new group; the server runs with ``--group-size 8`` so the groups stay pe
   already pending, written through ``POST /buffer/write_batch`` before wrk starts.
 - reference ("baseline", only with ``--mode baseline`` or ``--mode all``): wrk ``GET /``, a route
   that does nothing, to show the ceiling of the HTTP stack itself on this machine.
+- "durable" (``--mode durability`` runs it against "empty"): a fresh server with ``--data-dir``
+  (a new folder each run) and ``--durability sync`` (or ``--durability flush``): each write is
+  answered once it is on disk. The issue's bar: at least half the in-memory rate.
 
 Each run starts its own server on a free loopback port; runs of the two kinds alternate so slow
 drift of the machine affects both alike. Before measuring, a short wrk warm-up runs (its writes
@@ -24,6 +27,7 @@ Run (from the repository root, with the dev venv):
     .venv/bin/python bench/write_rate.py --runs 5 --duration 20 --connections 16
     .venv/bin/python bench/write_rate.py --mode empty --runs 1
     .venv/bin/python bench/write_rate.py --mode all           # also the GET / baseline
+    .venv/bin/python bench/write_rate.py --mode durability    # in memory against --data-dir
 
 Needs ``wrk`` on the PATH (or ``--wrk``).
 """
@@ -144,8 +148,11 @@ def run_wrk(args: argparse.Namespace, url: str, script: Path, duration_s: float)
 
 def one_run(args: argparse.Namespace, mode: str, workdir: Path, index: int) -> dict[str, Any]:
     prefill = args.prefill if mode == "prefilled" else 0
+    extra = common.server_args(args.server_args)
+    if mode == "durable":
+        extra += ["--data-dir", str(workdir / f"data-{index}"), "--durability", args.durability]
     with (
-        common.Server(args.group_size, common.server_args(args.server_args)) as server,
+        common.Server(args.group_size, extra) as server,
         httpx.Client(base_url=server.url, timeout=60.0) as client,
     ):
         if prefill:
@@ -211,6 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     modes = {
         "both": ["empty", "prefilled"],
         "all": ["empty", "prefilled", "baseline"],
+        "durability": ["empty", "durable"],
     }.get(args.mode, [args.mode])
     print(
         f"write_rate: wrk -t{args.threads} -c{args.connections} -d{args.duration:g}s, "
@@ -262,6 +270,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratio = result["prefilled"]["median"] / result["empty"]["median"]
         result["prefilled_ratio"] = ratio
         print(f"prefilled / empty (medians): {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
+    if "empty" in modes and "durable" in modes:
+        ratio = result["durable"]["median"] / result["empty"]["median"]
+        result["durable_ratio"] = ratio
+        print(f"durable ({args.durability}) / in memory (medians): {ratio:.3f}")
     return result
 
 
@@ -269,7 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mode", choices=["both", "empty", "prefilled", "baseline", "all"], default="both")
+    parser.add_argument(
+        "--mode",
+        choices=["both", "empty", "prefilled", "baseline", "all", "durable", "durability"],
+        default="both",
+    )
+    parser.add_argument(
+        "--durability", choices=["sync", "flush"], default="sync", help="the durable runs' --durability"
+    )
     parser.add_argument("--runs", type=int, default=3, help="runs of each mode (default 3)")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per wrk run (default 10)")
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of wrk warm-up first; 0: none")

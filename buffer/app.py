@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,12 +20,14 @@ from buffer import __version__
 from buffer.errors import RolloutBufferError
 from buffer.history import History
 from buffer.jobs import JobManager
+from buffer.journal import Journal
 from buffer.logs import RequestIdMiddleware
 from buffer.models import TRAJECTORY, invalid_input
 from buffer.registry import GeneratorRegistry
 from buffer.responses import envelope
 from buffer.rollout_buffer import RolloutBuffer
-from buffer.routes import dashboard, jobs, metrics, rollout, service, tail, trajectories, writes
+from buffer.routes import dashboard, export, jobs, metrics, rollout, service, tail, trajectories, writes
+from buffer.security import ApiKeyMiddleware, BodySizeLimitMiddleware, required_key, warn_if_exposed
 from buffer.services import Services, local_url
 from buffer.settings import Settings
 from buffer.signals import ReadySignal
@@ -40,8 +43,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         registry = GeneratorRegistry(settings.generator_dir)
         await asyncio.to_thread(registry.refresh)
         buffer = RolloutBuffer(
-            settings.default_task_settings(), hooks_for=registry.hooks_for, dedup_window=settings.dedup_window
+            settings.default_task_settings(),
+            hooks_for=registry.hooks_for,
+            dedup_window=settings.dedup_window,
+            max_buffered=settings.max_buffered_trajectories,
         )
+        journal = None if settings.data_dir is None else await asyncio.to_thread(_restore, buffer, settings)
         ready = ReadySignal()
         buffer.add_listener(ready.notify)
         job_manager = JobManager(buffer, local_url(settings))
@@ -56,24 +63,62 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.generator_dir,
             ", ".join(sorted(registry.generators)) or "none",
         )
+        warn_if_exposed(settings)
         try:
             yield
         finally:
             sweeper.cancel()
             await asyncio.gather(sweeper, return_exceptions=True)
             await job_manager.shutdown()
+            if journal is not None:
+                await asyncio.to_thread(journal.close)
+                logger.info("the buffer is on disk in %s", settings.data_dir)
 
     app = FastAPI(title="rollout-buffer", version=__version__, lifespan=lifespan)
     app.router.routes[:0] = writes.ROUTES  # first: matched before any other route is tried
-    for module in (rollout, trajectories, jobs, service, metrics, dashboard, tail):
+    for module in (rollout, trajectories, export, jobs, service, metrics, dashboard, tail):
         app.include_router(module.router)
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
+    if (key := required_key(settings)) is not None:  # no key: no middleware, no cost
+        app.add_middleware(ApiKeyMiddleware, api_key=key)
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so a 401 or 413 has an id too
     app.add_exception_handler(RolloutBufferError, _buffer_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _restore(buffer: RolloutBuffer, settings: Settings) -> Journal:
+    """Open the data folder, rebuild the buffer from it, and journal every change from now on."""
+    assert settings.data_dir is not None
+    started = time.monotonic()
+    journal = Journal(
+        settings.data_dir,
+        sync=settings.durability == "sync",
+        compact_bytes=settings.journal_compact_bytes,
+        retention_s=settings.export_retention_hours * 3600,
+    )
+    try:
+        records = buffer.restore(journal.recover())
+        buffer.attach(journal)
+    except BaseException:
+        journal.close()
+        raise
+    stats = buffer.stats()
+    logger.info(
+        "data folder %s (durability %s): restored %d records in %.2f s: %d trajectories pending, "
+        "%d ready, %d tasks",
+        settings.data_dir,
+        settings.durability,
+        records,
+        time.monotonic() - started,
+        stats["pending_items"],
+        stats["current_size"],
+        len(stats["tasks"]),
+    )
+    return journal
 
 
 async def _sweep_timeouts(buffer: RolloutBuffer, history: History, interval_s: float) -> None:
@@ -91,7 +136,7 @@ async def _buffer_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RolloutBufferError)
     if exc.status_code >= 500:
         logger.error("%s %s: %s", request.method, request.url.path, exc.message)
-    return envelope(False, exc.message, status_code=exc.status_code, **exc.details())
+    return envelope(False, exc.message, status_code=exc.status_code, headers=exc.headers(), **exc.details())
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:
@@ -103,7 +148,7 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    return envelope(False, str(exc.detail), status_code=exc.status_code)
+    return envelope(False, str(exc.detail), status_code=exc.status_code, headers=dict(exc.headers or {}))
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:

@@ -157,7 +157,7 @@ def _jobs_table(jobs: list[JobInfo]) -> list[str]:
                 str(completed),
                 str(progress.get("failed", "-")),
                 "-" if rate is None else str(rate),
-                _first_line(job.error) if job.error else "-",
+                _error_cell(job.error, job.where) if job.error else "-",
             ]
         )
     return _table(header, rows, left={0, 1, 2, 6})
@@ -171,10 +171,15 @@ def _generator_errors(generators: dict[str, Any]) -> list[str]:
         return [f"none ({found} generator{'' if found == 1 else 's'} loaded)"]
     rows = [
         [str(error.get("task_type", "?")), str(error.get("kind", "?")), str(error.get("file", "?")),
-         _first_line(str(error.get("error", "")))]
+         _error_cell(str(error.get("error", "")), error.get("where"))]
         for error in errors
     ]  # fmt: skip
     return _table(["task", "kind", "file", "error"], rows, left={0, 1, 2, 3})
+
+
+def _error_cell(error: str, where: str | None) -> str:
+    """The error's first line, and where it happened (``generator/x_generator.py:3 in run_rollout``)."""
+    return f"{_first_line(error)} ({where})" if where else _first_line(error)
 
 
 def _table(header: list[str], rows: list[list[str]], *, left: set[int]) -> list[str]:

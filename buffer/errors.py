@@ -5,7 +5,10 @@
     ├── NotFound                        404
     │   ├── UnknownTask                      no generator for the task type (lists the known ones)
     │   └── UnknownJob
-    └── GeneratorUnavailable            409  the task's generator file failed to load
+    ├── GeneratorUnavailable            409  the task's generator file failed to load
+    ├── NeedsDataDir                    409  a feature that keeps data on disk, without --data-dir
+    ├── BufferFull                      429  past --max-buffered-trajectories; retry later
+    └── StorageFailed                   503  the data folder cannot be written
 
 The API maps each to its status and the envelope ``{"success": false, "message": ...}`` in
 one handler (``buffer.app``); nothing else reaches a client, tracebacks least of all.
@@ -26,6 +29,10 @@ class RolloutBufferError(Exception):
 
     def details(self) -> dict[str, Any]:
         """Extra fields for the error response."""
+        return {}
+
+    def headers(self) -> dict[str, str]:
+        """Extra headers for the error response."""
         return {}
 
 
@@ -79,3 +86,41 @@ class GeneratorUnavailable(RolloutBufferError):
 
     def details(self) -> dict[str, Any]:
         return {"load_errors": self.load_errors}
+
+
+class NeedsDataDir(RolloutBufferError):
+    status_code = 409
+
+    def __init__(self, feature: str) -> None:
+        super().__init__(f"{feature} keeps its data on disk: start the service with --data-dir DIR")
+
+
+class BufferFull(RolloutBufferError):
+    """A write would open a new group while the buffer holds its maximum; groups already
+    open still take writes, so they can finish while the trainer catches up."""
+
+    status_code = 429
+    retry_after_s = 1
+
+    def __init__(self, buffered: int, limit: int) -> None:
+        self.buffered, self.limit = buffered, limit
+        super().__init__(
+            f"the buffer holds {buffered} trajectories, its maximum (--max-buffered-trajectories "
+            f"{limit}); retry once the trainer has read some"
+        )
+
+    def details(self) -> dict[str, Any]:
+        return {"buffered": self.buffered, "limit": self.limit}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class StorageFailed(RolloutBufferError):
+    """The journal could not write to the data folder (disk full, I/O error): nothing more is
+    taken, since it could not be kept. What is on disk is restored by a restart."""
+
+    status_code = 503
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(f"the buffer cannot write to its data folder: {cause.strerror or cause}")

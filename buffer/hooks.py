@@ -87,6 +87,10 @@ def _unchanged(group: Any, *_: Any) -> Any:
     return group
 
 
+#: The ``hooks_source`` a task configured with ``EVALUATION_HOOKS`` is journaled under
+#: (not a possible generator file name, so it never shadows one).
+EVALUATION_SOURCE = ":evaluation"
+
 #: An evaluation keeps every finished group as the generator wrote it (no filter, no
 #: normalisation, no padding), so the trainer scores the raw rewards of every sample.
 EVALUATION_HOOKS = Hooks(

@@ -3,7 +3,8 @@
 An async ``run_rollout`` runs as a task on the service's event loop; a sync one in a thread
 of its own (a generator may run for hours, so it must not hold a slot of a shared pool).
 Every job is owned: it has a status, its failure is logged with the traceback and kept on
-the job, and shutdown cancels and awaits what is still running.
+the job (its description says only ``where`` it happened: no traceback reaches a client),
+and shutdown cancels and awaits what is still running.
 
 Python cannot stop a thread, so cancelling a sync generator is cooperative: the job turns
 ``cancelled`` at once, and the generator can see ``current_job().cancel_requested`` and
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from buffer.errors import UnknownJob
-from buffer.registry import Generator
+from buffer.registry import Generator, where
 from buffer.rollout_buffer import RolloutBuffer
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ class Job:
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
     error: str | None = None
-    traceback: str | None = None
+    traceback: str | None = None  # for the log only
+    where: str | None = None  # the innermost frame of the generator's code
     progress: dict[str, Any] = field(default_factory=dict)
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -88,7 +90,7 @@ class Job:
             "counters": {"written": written_now - self.written_at_start},
             "progress": dict(self.progress),
             "error": self.error,
-            "traceback": self.traceback,
+            "where": self.where,
         }
 
 
@@ -130,7 +132,8 @@ class JobManager:
             self._finish(job, JobStatus.CANCELLED)
             raise
         except BaseException as exc:  # a generator may raise anything, SystemExit included
-            self._finish(job, JobStatus.FAILED, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+            error = f"{type(exc).__name__}: {exc}"
+            self._finish(job, JobStatus.FAILED, error, traceback.format_exc(), where(exc, generator.path))
             logger.error("%s: %s generator failed: %s\n%s", job.id, job.task_type, exc, job.traceback)
             if isinstance(exc, KeyboardInterrupt):
                 raise
@@ -140,10 +143,17 @@ class JobManager:
         finally:
             _current_job.reset(token)
 
-    def _finish(self, job: Job, status: JobStatus, error: str | None = None, tb: str | None = None) -> None:
+    def _finish(
+        self,
+        job: Job,
+        status: JobStatus,
+        error: str | None = None,
+        tb: str | None = None,
+        at: str | None = None,
+    ) -> None:
         if job.done:  # cancelled already; a late result of its thread changes nothing
             return
-        job.status, job.error, job.traceback = status, error, tb
+        job.status, job.error, job.traceback, job.where = status, error, tb, at
         job.finished_at = time.time()
 
     def _forget_old(self) -> None:

@@ -71,8 +71,22 @@ class BufferCollector(Collector):
             reward_std.add_metric([task], counters["reward_std"])
         duplicates = CounterMetricFamily(PREFIX + "duplicates", "Writes of a uid already seen, ignored")
         duplicates.add_metric([], stats["duplicates"])
+        refused = CounterMetricFamily(
+            PREFIX + "writes_refused_full", "Writes refused with 429 (--max-buffered-trajectories)"
+        )
+        refused.add_metric([], stats["refused_full"])
         yield from (written, delivered, items, groups, groups_delivered, discarded, set_aside)
-        yield from (rewards, reward_mean, reward_std, duplicates)
+        yield from (rewards, reward_mean, reward_std, duplicates, refused)
+        journal = stats["journal"]
+        if journal is not None:
+            for name, documentation in (
+                ("bytes_written", "Bytes the journal wrote to the data folder"),
+                ("commits", "Journal commits (one write, and fdatasync with --durability sync)"),
+                ("compactions", "Journal compactions into a snapshot"),
+            ):
+                family = CounterMetricFamily(PREFIX + "journal_" + name, documentation)
+                family.add_metric([], journal[name])
+                yield family
 
     def _job_metrics(self) -> Iterator[Metric]:
         by_state: Counter[str] = Counter()

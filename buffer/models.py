@@ -22,13 +22,17 @@ from pydantic import (
 )
 from typing_extensions import NotRequired, TypedDict
 
+from buffer.encoding import INT64_MAX, INT64_MIN
 from buffer.errors import InvalidInput
 
 _T = TypeVar("_T")
 _N = TypeVar("_N", int, int | None)
 
+#: The integers the buffer takes: signed 64-bit, which orjson (and most JSON readers) can carry.
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+
 FiniteNumber = Annotated[float, Strict(), Field(allow_inf_nan=False)]
-InstanceId = Annotated[StrictStr, Field(min_length=1)] | Annotated[int, Strict()]
+InstanceId = Annotated[StrictStr, Field(min_length=1)] | Annotated[Int64, Strict()]
 Ratio = Annotated[float, Field(ge=0, le=1)]
 
 # Trajectories are TypedDicts, not models: pydantic validates them straight from the request
@@ -96,10 +100,10 @@ class StartRolloutRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     task_type: Annotated[StrictStr, Field(min_length=1)]
-    num_repeat_per_sample: int | None = Field(None, ge=1, description="the group size")
-    num_process: int | None = Field(None, ge=1, description="trajectories in flight")
-    num_epoch: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
+    num_repeat_per_sample: Int64 | None = Field(None, ge=1, description="the group size")
+    num_process: Int64 | None = Field(None, ge=1, description="trajectories in flight")
+    num_epoch: Int64 | None = Field(None, ge=1)
+    max_tokens: Int64 | None = Field(None, ge=1)
     group_timeout_seconds: float | None = Field(None, gt=0)
     min_valid_group_size_ratio: Ratio = 1.0
     min_valid_item_size_ratio: Ratio = 0.7

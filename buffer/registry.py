@@ -6,6 +6,9 @@ import (with the traceback), breaks the contract (no ``TASK_TYPE``, no ``run_rol
 hook with the wrong parameters), or repeats another file's ``TASK_TYPE`` (both are reported
 and neither is used: running the wrong one silently would be worse). ``refresh`` re-imports
 only files that changed, so a new or edited generator is picked up without a restart.
+
+No traceback reaches a client: the log has it, the API says only ``where`` the error happened
+(the innermost frame of the generator's code), as it does for a failed job or hook.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import hashlib
 import importlib.util
 import inspect
 import logging
+import os
+import re
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -30,6 +35,13 @@ from buffer.hooks import Hooks, bind_hooks
 logger = logging.getLogger(__name__)
 
 SUFFIX = "_generator.py"
+
+_BUFFER_PACKAGE = str(Path(__file__).resolve().parent) + os.sep
+_PYTHON_INSTALL = tuple(
+    {str(Path(p).resolve()) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+)
+#: A frame line of a formatted traceback; a SyntaxError's has no function.
+_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+)(?:, in (?P<name>.+))?$', re.MULTILINE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +71,8 @@ class LoadError:
     kind: Literal["import", "contract", "duplicate"]
     error: str
     task_type: str  # declared TASK_TYPE, read from the source when the import failed, else the file's stem
-    traceback: str = ""
+    traceback: str = ""  # for the log only
+    where: str | None = None  # for the API: see ``where``
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -67,7 +80,7 @@ class LoadError:
             "task_type": self.task_type,
             "kind": self.kind,
             "error": self.error,
-            "traceback": self.traceback,
+            "where": self.where,
         }
 
 
@@ -129,7 +142,8 @@ class GeneratorRegistry:
                 )
         for error in errors:
             if not any(error == old for old in self._errors):
-                logger.error("generator %s not loaded (%s): %s", error.path, error.kind, error.error)
+                tb = f"\n{error.traceback}" if error.traceback else ""
+                logger.error("generator %s not loaded (%s): %s%s", error.path, error.kind, error.error, tb)
         for task_type, generator in generators.items():
             if self._generators.get(task_type) is not generator:
                 logger.info("generator %s -> %s", task_type, generator.path)
@@ -169,7 +183,8 @@ def _load(path: Path) -> Generator | LoadError:
             sys.modules[module_name] = previous
         if isinstance(exc, KeyboardInterrupt):
             raise
-        return LoadError(path, "import", f"{type(exc).__name__}: {exc}", declared, traceback.format_exc())
+        error = f"{type(exc).__name__}: {exc}"
+        return LoadError(path, "import", error, declared, traceback.format_exc(), where(exc, path))
     try:
         return _check_contract(path, module)
     except TypeError as exc:
@@ -218,3 +233,47 @@ def _declared_task_type(path: Path) -> str:
                     return fallback
                 return value if isinstance(value, str) else fallback
     return fallback
+
+
+def where(exc: BaseException, prefer: str | Path | None = None) -> str:
+    """Where ``exc`` happened in the user's code, for an API answer in place of its traceback:
+    ``generator/math_generator.py:42 in normalize_group_data``. The last frame in the file
+    ``prefer`` (the generator's), else the last outside this package and Python's own
+    libraries, else the last. A syntax error points at its line."""
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
+        return f"{_short(exc.filename)}:{exc.lineno}"
+    frames = [(frame.filename, frame.lineno, frame.name) for frame in traceback.extract_tb(exc.__traceback__)]
+    return _innermost(frames, prefer)
+
+
+def where_in(text: str, prefer: str | Path | None = None) -> str:
+    """``where`` for a traceback kept only as text (``traceback.format_exc()``)."""
+    frames = [(match["file"], int(match["line"]), match["name"]) for match in _FRAME.finditer(text)]
+    return _innermost(frames, prefer)
+
+
+def _innermost(frames: Sequence[tuple[str, int | None, str | None]], prefer: str | Path | None) -> str:
+    if not frames:
+        return ""
+    preferred = _resolved(str(prefer)) if prefer is not None else None
+    in_preferred = (frame for frame in reversed(frames) if _resolved(frame[0]) == preferred)
+    users = (frame for frame in reversed(frames) if _is_users(frame[0]))
+    filename, line, name = next(in_preferred, None) or next(users, frames[-1])
+    return f"{_short(filename)}:{line}" + (f" in {name}" if name and name != "<module>" else "")
+
+
+def _resolved(filename: str) -> str:
+    return filename if filename.startswith("<") else str(Path(filename).resolve())
+
+
+def _is_users(filename: str) -> bool:
+    path = _resolved(filename)
+    return not path.startswith(("<", _BUFFER_PACKAGE, *_PYTHON_INSTALL))
+
+
+def _short(filename: str) -> str:
+    """The file and its folder: enough to find it, without the machine's layout."""
+    if filename.startswith("<"):
+        return filename
+    path = Path(filename)
+    return f"{path.parent.name}/{path.name}" if path.parent.name else path.name

@@ -17,8 +17,18 @@ def json_response(content: Any, status_code: int = 200, headers: dict[str, str] 
     return Response(orjson.dumps(content), status_code, headers, media_type="application/json")
 
 
-def envelope(success: bool, message: str, data: Any = None, status_code: int = 200, **extra: Any) -> Response:
-    return json_response({"success": success, "message": message, "data": data, **extra}, status_code)
+def envelope(
+    success: bool,
+    message: str,
+    data: Any = None,
+    status_code: int = 200,
+    *,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> Response:
+    return json_response(
+        {"success": success, "message": message, "data": data, **extra}, status_code, headers
+    )
 
 
 def items_response(

@@ -3,23 +3,29 @@
 Plain Python, no HTTP and no event loop: the API and in-process generators both call it.
 A lock serialises every call, so generator threads may write while the event loop reads;
 each call holds it for O(1) work per trajectory written and O(groups) per group returned.
+
+With a journal attached (``--data-dir``), every change is appended to it under that lock, in
+the order it was made: a write (``w``), a group's outcome (``fin``), a read (``read``), a
+task's settings (``task``), a duplicate (``dup``). ``restore`` replays them through the same
+code; ``snapshot`` writes the state out as records (``open``, ``ready``, ``aside``,
+``task_state``, ``state``) that ``restore`` reads back the same way.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from buffer import encoding
-from buffer.errors import InvalidInput
-from buffer.hooks import Hooks
+from buffer import encoding, export
+from buffer.errors import BufferFull, InvalidInput, StorageFailed
+from buffer.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE, Hooks
+from buffer.journal import Event, Journal, encode
 from buffer.stats import RewardStats
 from buffer.task import InstanceId, ReadyGroup, Record, SetAsideGroup, TaskBuffer, TaskSettings
 
@@ -50,18 +56,27 @@ class RolloutBuffer:
         *,
         hooks_for: Callable[[str], Hooks] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         dedup_window: int = 1_000_000,
         recent: int = 1000,
+        max_buffered: int = 0,
     ) -> None:
-        """``hooks_for`` gives the hooks of a task first met through a write; ``dedup_window``
-        bounds how many uids of trajectories no longer buffered are remembered."""
+        """``hooks_for`` gives the hooks of a task first met through a write, or restored,
+        by the name of its generator; ``dedup_window`` bounds how many uids of trajectories no
+        longer buffered are remembered; past ``max_buffered`` trajectories (0: no limit) a
+        write that would open a new group raises ``BufferFull``."""
         self.default_settings = default_settings or TaskSettings()
         self._hooks_for = hooks_for or (lambda task_type: Hooks())
         self._clock = clock
+        self._wall_clock = wall_clock
         self._lock = threading.RLock()
         self._tasks: dict[str, TaskBuffer] = {}
         self._current_task = DEFAULT_TASK
-        self._sequence = itertools.count()
+        self._journal: Journal | None = None
+        self.max_buffered = max_buffered
+        self._seq = 0  # the order of ready groups across tasks
+        self.reads = 0  # reads that returned groups: the export's read_id
+        self.refused_full = 0  # writes refused with BufferFull
         self._uids: set[str] = set()
         self._uid_order: deque[str] = deque()
         self._dedup_window = dedup_window
@@ -74,18 +89,48 @@ class RolloutBuffer:
 
     # -- tasks -------------------------------------------------------------------------
 
-    def configure_task(self, task_type: str, settings: TaskSettings, hooks: Hooks) -> None:
+    def configure_task(
+        self, task_type: str, settings: TaskSettings, hooks: Hooks, *, hooks_source: str | None = None
+    ) -> None:
         """Create or re-configure a task and make it the one unlabelled writes go to.
 
         Never drops anything buffered: open groups keep their size, ready groups stay.
+        ``hooks_source`` names the generator the hooks come from (default: ``task_type``;
+        ``EVALUATION_SOURCE`` for ``EVALUATION_HOOKS``), for a restart to find them again.
         """
         with self._lock:
-            task = self._tasks.get(task_type)
-            if task is None:
-                self._tasks[task_type] = self._new_task(task_type, settings, hooks)
-            else:
-                task.reconfigure(settings, hooks)
+            self._configure(task_type, settings, hooks, hooks_source, current=True)
+
+    def _configure(
+        self, task_type: str, settings: TaskSettings, hooks: Hooks, hooks_source: str | None, *, current: bool
+    ) -> TaskBuffer:
+        task = self._tasks.get(task_type)
+        if task is None:
+            task = self._tasks[task_type] = TaskBuffer(
+                task_type,
+                settings,
+                hooks,
+                hooks_source=hooks_source,
+                sequence=self._next_seq,
+                on_ready=self._notify,
+                log=self._journal.append if self._journal else None,
+            )
+        else:
+            task.reconfigure(settings, hooks, hooks_source)
+        if current:
             self._current_task = task_type
+        if self._journal is not None:
+            header = {"e": "task", "t": task_type, "s": asdict(settings), "h": task.hooks_source}
+            self._journal.append(encode({**header, "current": current}))
+        return task
+
+    def _next_seq(self) -> int:
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def _hooks_of(self, source: str) -> Hooks:
+        return EVALUATION_HOOKS if source == EVALUATION_SOURCE else self._hooks_for(source)
 
     @property
     def current_task(self) -> str:
@@ -103,14 +148,11 @@ class RolloutBuffer:
             task = self._tasks.get(task_type)
             return task.written if task else 0
 
-    def _new_task(self, task_type: str, settings: TaskSettings, hooks: Hooks) -> TaskBuffer:
-        return TaskBuffer(task_type, settings, hooks, sequence=self._sequence, on_ready=self._notify)
-
     def _task(self, task_type: str) -> TaskBuffer:
         task = self._tasks.get(task_type)
         if task is None:
-            task = self._tasks[task_type] = self._new_task(
-                task_type, self.default_settings, self._hooks_for(task_type)
+            task = self._configure(
+                task_type, self.default_settings, self._hooks_for(task_type), None, current=False
             )
         return task
 
@@ -125,19 +167,30 @@ class RolloutBuffer:
 
         Errors name the field as ``<index>.<field>`` when ``numbered``."""
         with self._lock:
+            journal = self._journal
+            if journal is not None and journal.failure is not None:
+                raise StorageFailed(journal.failure)
             now = self._clock()
-            wall = time.time()
+            wall = self._wall_clock()
             prepared = [
                 self._prepare(f"{index}." if numbered else "", item) for index, item in enumerate(items)
             ]
+            if self.max_buffered:
+                self._check_room(prepared)
             results = []
             touched: set[TaskBuffer] = set()
             for task, instance_id, record in prepared:
                 if record.uid in self._uids:
                     self.duplicates += 1
+                    if journal is not None:
+                        journal.append(_DUPLICATE)
                     results.append(WriteResult(record.uid, task.task_type, duplicate=True))
                     continue
                 self._remember(record.uid)
+                if journal is not None:  # before add(): a group it fills logs its outcome
+                    header: dict[str, Any] = {"e": "w", "t": task.task_type, "i": instance_id}
+                    header.update(u=record.uid, r=record.reward, at=wall)
+                    journal.append(encode(header, [record.raw]))
                 task.add(instance_id, record, now)
                 self._written_seq += 1
                 self.recent.append(
@@ -162,7 +215,33 @@ class RolloutBuffer:
             item = {**item, "uid": uid}
         if "extra_info" not in item:
             item = {**item, "extra_info": {}}
-        return task, item["instance_id"], Record(uid, float(reward), encoding.dumps(item))
+        try:
+            raw = encoding.dumps(item)
+        except encoding.EncodeError as exc:  # validation cannot see it: an integer beyond 64 bits
+            path = encoding.huge_integer_at(item)
+            if path is None:
+                raise InvalidInput.one(prefix.rstrip(".") or "body", f"cannot be stored: {exc}") from None
+            field = prefix + ".".join(str(part) for part in path)
+            limits = f"{encoding.INT64_MIN} to {encoding.INT64_MAX}"
+            raise InvalidInput.one(field, f"must be a 64-bit integer, {limits}") from None
+        return task, item["instance_id"], Record(uid, float(reward), raw)
+
+    def _check_room(self, prepared: list[tuple[TaskBuffer, InstanceId, Record]]) -> None:
+        buffered = self.buffered_items()
+        if buffered < self.max_buffered:
+            return
+        opens_group = any(
+            instance_id not in task.open and record.uid not in self._uids
+            for task, instance_id, record in prepared
+        )
+        if opens_group:
+            self.refused_full += 1
+            raise BufferFull(buffered, self.max_buffered)
+
+    def buffered_items(self) -> int:
+        """Trajectories held: in open groups and in ready ones."""
+        with self._lock:
+            return sum(task.pending_items + task.ready_items for task in self._tasks.values())
 
     def _remember(self, uid: str) -> None:
         self._uids.add(uid)
@@ -206,6 +285,12 @@ class RolloutBuffer:
             meta["discarded_groups"] = dict(discarded)
             meta["returned_groups"] = len(groups)
             self.total_read += taken
+            self.reads += 1
+            if self._journal is not None:
+                wall = self._wall_clock()
+                header = {"e": "read", "t": task_type, "seqs": [group.seq for group in groups]}
+                self._journal.append(encode({**header, "at": wall, "id": self.reads}))
+                self._journal.deliver(wall, export.lines(groups, wall, self.reads))
             return ReadResult(groups, meta)
 
     def peek(self, task_type: str | None = None, max_items: int | None = None) -> list[ReadyGroup]:
@@ -283,8 +368,118 @@ class RolloutBuffer:
                 "total_written": sum(t["total_written"] for t in tasks.values()),
                 "total_read": self.total_read,
                 "duplicates": self.duplicates,
+                "refused_full": self.refused_full,
+                "journal": self._journal.counters() if self._journal else None,
                 "tasks": tasks,
             }
+
+    # -- the journal -------------------------------------------------------------------
+
+    def restore(self, events: Iterable[Event]) -> int:
+        """Rebuild the state from journal records (before ``attach``); returns how many.
+        Open groups keep their age: their last write is dated by the wall clock."""
+        offset = self._clock() - self._wall_clock()
+
+        def monotonic_of(wall: float) -> float:
+            return wall + offset
+
+        count = 0
+        with self._lock:
+            for event in events:
+                self._apply(event, monotonic_of)
+                count += 1
+        return count
+
+    def _apply(self, event: Event, monotonic_of: Callable[[float], float]) -> None:
+        header = event.header
+        kind = header["e"]
+        if kind == "w":
+            task, instance_id, wall = self._task(header["t"]), header["i"], header["at"]
+            record = Record(header["u"], header["r"], event.payload)
+            self._remember(record.uid)
+            task.add(instance_id, record, monotonic_of(wall), finish=False)
+            self._written_seq += 1
+            self.recent.append(
+                (self._written_seq, task.task_type, instance_id, record.uid, record.reward, wall)
+            )
+        elif kind == "fin":
+            self._tasks[header["t"]].replay_finish(event)
+            self._seq = max(self._seq, header.get("seq", -1) + 1)
+        elif kind == "dup":
+            self.duplicates += 1
+        elif kind == "read":
+            tasks = self._covered(header["t"])
+            for seq in header["seqs"]:
+                task = next(task for task in tasks if task.ready and task.ready[0].seq == seq)
+                self.total_read += len(task.pop_ready().items)
+            for task in tasks:
+                task.reset_window()
+            self.reads = header["id"]
+        elif kind == "task":
+            source = header["h"]
+            settings = TaskSettings(**header["s"])
+            self._configure(header["t"], settings, self._hooks_of(source), source, current=header["current"])
+        elif kind == "state":
+            self._current_task = header["current"]
+            self._seq = max(self._seq, header["seq"])
+            self.duplicates, self.total_read = header["duplicates"], header["total_read"]
+            self.reads, self._written_seq = header["reads"], header["written_seq"]
+            self.recent.extend(tuple(entry) for entry in header["recent"])
+            for uid in header["uids"]:
+                self._remember(uid)
+        else:
+            self._tasks[header["t"]].restore(event, monotonic_of)
+            if kind == "ready":
+                self._seq = max(self._seq, header["seq"] + 1)
+
+    def attach(self, journal: Journal) -> None:
+        """Log every change from now on to ``journal`` and let it compact through ``snapshot``.
+        Finishes the groups a restore left full but open."""
+        with self._lock:
+            self._journal = journal
+            journal.start(self.snapshot)
+            for task in self._tasks.values():
+                task.log = journal.append
+                task.finish_full()
+
+    @property
+    def journal(self) -> Journal | None:
+        return self._journal
+
+    async def wait_durable(self) -> None:
+        """Return once every change made so far is on disk (at once without a journal)."""
+        if self._journal is not None:
+            await self._journal.wait_durable()
+
+    def snapshot(self) -> tuple[int, Iterator[bytes]]:
+        """Start a new journal segment and the records of the state as of its start: the
+        references are copied under the lock, the encoding happens as they are read."""
+        assert self._journal is not None
+        with self._lock:
+            segment = self._journal.rotate()
+            offset = self._wall_clock() - self._clock()
+            tasks = [task.snapshot(lambda monotonic: monotonic + offset) for task in self._tasks.values()]
+            state = {
+                "e": "state",
+                "current": self._current_task,
+                "seq": self._seq,
+                "duplicates": self.duplicates,
+                "total_read": self.total_read,
+                "reads": self.reads,
+                "written_seq": self._written_seq,
+                "recent": list(self.recent),
+                "uids": list(self._uid_order),
+            }
+
+        def records() -> Iterator[bytes]:
+            for task in tasks:
+                yield from task()
+            yield encode(state)
+
+        return segment, records()
+
+
+_DUPLICATE = encode({"e": "dup"})
 
 
 def _scalar_reward(field: str, reward: dict[str, Any], reward_key: str | None) -> float:

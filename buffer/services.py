@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
@@ -24,6 +25,12 @@ class Services:
     jobs: JobManager
     ready: ReadySignal
     history: History
+    stopping: threading.Event = field(default_factory=threading.Event)
+
+    def begin_shutdown(self) -> None:
+        """The service got SIGTERM: long polls stop waiting and answer with what is ready."""
+        self.stopping.set()
+        self.ready.notify()
 
     async def wait_for_items(
         self, request: Request, task_type: str | None, count: int, timeout_s: float
@@ -34,7 +41,7 @@ class Services:
         the wait checks the connection every second and the caller reads only on True."""
         deadline = time.monotonic() + timeout_s
         while not await self.ready.wait_until(
-            lambda: self.buffer.ready_items(task_type) >= count,
+            lambda: self.stopping.is_set() or self.buffer.ready_items(task_type) >= count,
             min(1.0, max(0.0, deadline - time.monotonic())),
         ):
             if await request.is_disconnected():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, CliImplicitFlag, SettingsConfigDict
 
 from buffer.logs import LogFormat
@@ -51,6 +51,34 @@ class Settings(BaseSettings):
         1_000_000, ge=0, description="uids of delivered trajectories remembered to drop retried writes"
     )
     sweep_interval_s: float = Field(1.0, gt=0, description="how often timed-out groups are looked for")
+    data_dir: Path | None = Field(
+        None, description="keep the buffer on disk in this folder and restore it from there at start-up"
+    )
+    durability: Literal["sync", "flush"] = Field(
+        "sync",
+        description="with --data-dir, when a write is acknowledged: sync: once on disk (fdatasync; "
+        "survives power loss); flush: once handed to the OS (survives a crash of the service)",
+    )
+    export_retention_hours: float = Field(
+        168.0, ge=0, description="with --data-dir, how long delivered trajectories are kept for export"
+    )
+    journal_compact_bytes: int = Field(
+        256 * 2**20, ge=2**20, description="with --data-dir, compact the journal each time it grows this much"
+    )
+    max_buffered_trajectories: int = Field(
+        1_000_000,
+        ge=0,
+        description="past this many trajectories buffered, a write that would open a new group gets 429 "
+        "(writes to open groups are always taken, so groups can still finish); 0: no limit",
+    )
+    max_request_bytes: int = Field(
+        64 * 2**20, ge=1024, description="a request body larger than this gets 413"
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="require 'Authorization: Bearer <key>' on every endpoint but GET / and /health; "
+        "better set as ROLLOUT_BUFFER_API_KEY than on the command line",
+    )
 
     def default_task_settings(self) -> TaskSettings:
         return TaskSettings(group_size=self.group_size, group_timeout_s=self.group_timeout_seconds)

@@ -45,6 +45,22 @@ class RewardStats:
             maximum=max(self.maximum, other.maximum),
         )
 
+    def to_json(self) -> list[float | None]:
+        """As a JSON list; the infinite bounds of an empty accumulator as nulls."""
+        bounds = [b if math.isfinite(b) else None for b in (self.minimum, self.maximum)]
+        return [self.count, self.mean, self.m2, *bounds]
+
+    @classmethod
+    def from_json(cls, values: list[Any]) -> RewardStats:
+        count, mean, m2, minimum, maximum = values
+        return cls(
+            count,
+            mean,
+            m2,
+            math.inf if minimum is None else minimum,
+            -math.inf if maximum is None else maximum,
+        )
+
     @property
     def sample_std(self) -> float:
         return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 0.0

@@ -15,12 +15,13 @@ import logging
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 from buffer import encoding
 from buffer.hooks import Hooks
-from buffer.pipeline import TIMEOUT_TOO_SMALL, Discarded, GroupRules, Ready, SetAside, process_group
+from buffer.journal import Event, encode
+from buffer.pipeline import TIMEOUT_TOO_SMALL, Discarded, GroupRules, Outcome, Ready, SetAside, process_group
 from buffer.stats import RewardStats
 
 logger = logging.getLogger(__name__)
@@ -90,14 +91,19 @@ class TaskBuffer:
         settings: TaskSettings,
         hooks: Hooks,
         *,
-        sequence: Iterator[int],
+        hooks_source: str | None = None,
+        sequence: Callable[[], int],
         on_ready: Callable[[], None],
+        log: Callable[[bytes], None] | None = None,
         keep_set_aside: int = 100,
     ) -> None:
+        """``hooks_source`` names where the hooks came from, for a restart to find them again;
+        ``log`` receives a journal record for every group that finishes."""
         self.task_type = task_type
-        self.reconfigure(settings, hooks)
+        self.reconfigure(settings, hooks, hooks_source)
         self._sequence = sequence
         self._on_ready = on_ready
+        self.log = log
         self.open: OrderedDict[InstanceId, OpenGroup] = OrderedDict()
         self.ready: deque[ReadyGroup] = deque()
         self.set_aside: deque[SetAsideGroup] = deque(maxlen=keep_set_aside)
@@ -117,14 +123,17 @@ class TaskBuffer:
         self.finished_instance_ids: list[InstanceId] = []
         self.window_discarded: Counter[str] = Counter()
 
-    def reconfigure(self, settings: TaskSettings, hooks: Hooks) -> None:
+    def reconfigure(self, settings: TaskSettings, hooks: Hooks, hooks_source: str | None = None) -> None:
         """New settings apply to groups opened from now on; open groups keep their size."""
         self.settings = settings
         self.hooks = hooks
+        self.hooks_source = hooks_source or self.task_type
         # A custom meta hook needs the trajectories written since the last read; the default doesn't.
         self._keep_window_records = "get_group_data_meta_info" in hooks.overridden
 
-    def add(self, instance_id: InstanceId, record: Record, now: float) -> None:
+    def add(self, instance_id: InstanceId, record: Record, now: float, *, finish: bool = True) -> None:
+        """Add to the instance's open group; finish it when full (unless replaying the
+        journal, whose next record says how it finished)."""
         group = self.open.get(instance_id)
         if group is None:
             group = self.open[instance_id] = OpenGroup(instance_id, self.settings.group_size, now)
@@ -139,7 +148,7 @@ class TaskBuffer:
         self.window_instances.add(instance_id)
         if self._keep_window_records:
             self.window_records.append((instance_id, record))
-        if len(group.records) >= group.size:
+        if finish and len(group.records) >= group.size:
             del self.open[instance_id]
             self._finish(group, timed_out=False)
 
@@ -156,11 +165,18 @@ class TaskBuffer:
             expired += 1
         return expired
 
+    def finish_full(self) -> None:
+        """Finish the groups that are full but open: after a restart cut the journal between
+        a group's last write and its outcome."""
+        for group in [group for group in self.open.values() if len(group.records) >= group.size]:
+            del self.open[group.instance_id]
+            self._finish(group, timed_out=False)
+
     def _finish(self, group: OpenGroup, *, timed_out: bool) -> None:
         self.pending_items -= len(group.records)
         settings = self.settings
         if timed_out and len(group.records) / group.size < settings.min_timeout_group_size_ratio:
-            outcome: Ready | Discarded | SetAside = Discarded(TIMEOUT_TOO_SMALL)
+            outcome: Outcome = Discarded(TIMEOUT_TOO_SMALL)
         else:
             rules = GroupRules(
                 group.size, settings.min_valid_group_size_ratio, settings.min_valid_item_size_ratio
@@ -169,10 +185,29 @@ class TaskBuffer:
             outcome = process_group(
                 self.task_type, group.instance_id, items, rules, self.hooks, timed_out=timed_out
             )
-        if isinstance(outcome, Ready):
-            self.ready.append(
-                ReadyGroup(next(self._sequence), self.task_type, group.instance_id, outcome.items)
+        seq = self._sequence() if isinstance(outcome, Ready) else -1
+        at = time.time()
+        if self.log is not None:
+            self.log(_finish_record(self.task_type, group, outcome, seq, at))
+        self._settle(group, outcome, seq, at)
+        if isinstance(outcome, Discarded):
+            logger.debug(
+                "task %s: discarded group %r (%s)", self.task_type, group.instance_id, outcome.reason
             )
+        elif isinstance(outcome, SetAside):
+            logger.warning(
+                "task %s: set group %r aside: hook %s failed: %s\n%s",
+                self.task_type,
+                group.instance_id,
+                outcome.hook,
+                outcome.error,
+                outcome.traceback,
+            )
+
+    def _settle(self, group: OpenGroup, outcome: Outcome, seq: int, at: float) -> None:
+        """Put a finished group where its outcome says: ready, counted as discarded, or aside."""
+        if isinstance(outcome, Ready):
+            self.ready.append(ReadyGroup(seq, self.task_type, group.instance_id, outcome.items))
             self.ready_items += len(outcome.items)
             self._on_ready()
             return
@@ -180,9 +215,6 @@ class TaskBuffer:
         if isinstance(outcome, Discarded):
             self.discarded[outcome.reason] += 1
             self.window_discarded[outcome.reason] += 1
-            logger.debug(
-                "task %s: discarded group %r (%s)", self.task_type, group.instance_id, outcome.reason
-            )
             return
         self.set_aside_total += 1
         self.window_discarded[f"hook_error:{outcome.hook}"] += 1
@@ -193,18 +225,125 @@ class TaskBuffer:
                 outcome.hook,
                 outcome.error,
                 outcome.traceback,
-                time.time(),
+                at,
                 [record.raw for record in group.records],
             )
         )
-        logger.warning(
-            "task %s: set group %r aside: hook %s failed: %s\n%s",
-            self.task_type,
-            group.instance_id,
-            outcome.hook,
-            outcome.error,
-            outcome.traceback,
-        )
+
+    def replay_finish(self, event: Event) -> None:
+        """Apply a journal record of ``_finish``."""
+        header = event.header
+        group = self.open.pop(header["i"])
+        self.pending_items -= len(group.records)
+        kind = header["o"]
+        if kind == "ready":
+            outcome: Outcome = Ready(event.parts())
+        elif kind == "discarded":
+            outcome = Discarded(header["reason"])
+        else:
+            outcome = SetAside(header["hook"], header["error"], header["tb"])
+        self._settle(group, outcome, header.get("seq", -1), header["at"])
+
+    # -- snapshots -------------------------------------------------------------------
+
+    def snapshot(self, wall_of: Callable[[float], float]) -> Callable[[], Iterator[bytes]]:
+        """Copy what the state refers to now (call under the buffer's lock: O(groups), no
+        encoding); the function returned encodes it as journal records, outside the lock.
+        ``wall_of`` turns this buffer's clock into wall-clock time."""
+        task = {
+            "e": "task",
+            "t": self.task_type,
+            "s": asdict(self.settings),
+            "h": self.hooks_source,
+            "current": False,
+        }
+        open_groups = [
+            (g.instance_id, g.size, wall_of(g.last_write_s), list(g.records)) for g in self.open.values()
+        ]
+        ready, aside = list(self.ready), list(self.set_aside)
+        window_records = list(self.window_records)
+        state = {
+            "e": "task_state",
+            "t": self.task_type,
+            "written": self.written,
+            "delivered_items": self.delivered_items,
+            "delivered_groups": self.delivered_groups,
+            "discarded": dict(self.discarded),
+            "set_aside_total": self.set_aside_total,
+            "rewards": self.rewards.to_json(),
+            "window": self.window.to_json(),
+            "window_instances": list(self.window_instances),
+            "finished": list(self.finished_instance_ids),
+            "window_discarded": dict(self.window_discarded),
+            "window_records": [[iid, r.uid, r.reward] for iid, r in window_records],
+        }
+
+        def records() -> Iterator[bytes]:
+            yield encode(task)
+            for instance_id, size, last_write, group in open_groups:
+                header: dict[str, Any] = {
+                    "e": "open",
+                    "t": self.task_type,
+                    "i": instance_id,
+                    "size": size,
+                    "last": last_write,
+                    "u": [r.uid for r in group],
+                    "r": [r.reward for r in group],
+                }
+                yield encode(header, [r.raw for r in group])
+            for g in ready:
+                yield encode({"e": "ready", "t": self.task_type, "i": g.instance_id, "seq": g.seq}, g.items)
+            for a in aside:
+                header = {"e": "aside", "t": self.task_type, "i": a.instance_id, "hook": a.hook}
+                header.update(error=a.error, tb=a.traceback, at=a.at)
+                yield encode(header, a.items)
+            yield encode(state, [r.raw for _, r in window_records])
+
+        return records
+
+    def restore(self, event: Event, monotonic_of: Callable[[float], float]) -> None:
+        """Apply a snapshot record (``open``, ``ready``, ``aside``, ``task_state``)."""
+        header, kind = event.header, event.header["e"]
+        if kind == "open":
+            records = [
+                Record(*fields) for fields in zip(header["u"], header["r"], event.parts(), strict=True)
+            ]
+            group = OpenGroup(header["i"], header["size"], monotonic_of(header["last"]), records)
+            self.open[group.instance_id] = group
+            self.pending_items += len(records)
+        elif kind == "ready":
+            items = event.parts()
+            self.ready.append(ReadyGroup(header["seq"], self.task_type, header["i"], items))
+            self.ready_items += len(items)
+        elif kind == "aside":
+            self.set_aside.append(
+                SetAsideGroup(
+                    self.task_type,
+                    header["i"],
+                    header["hook"],
+                    header["error"],
+                    header["tb"],
+                    header["at"],
+                    event.parts(),
+                )
+            )
+        elif kind == "task_state":
+            self.written = header["written"]
+            self.delivered_items = header["delivered_items"]
+            self.delivered_groups = header["delivered_groups"]
+            self.discarded = Counter(header["discarded"])
+            self.set_aside_total = header["set_aside_total"]
+            self.rewards = RewardStats.from_json(header["rewards"])
+            self.window = RewardStats.from_json(header["window"])
+            self.window_instances = set(header["window_instances"])
+            self.finished_instance_ids = header["finished"]
+            self.window_discarded = Counter(header["window_discarded"])
+            self.window_records = [
+                (iid, Record(uid, reward, raw))
+                for (iid, uid, reward), raw in zip(header["window_records"], event.parts(), strict=True)
+            ]
+        else:
+            raise ValueError(f"not a task snapshot record: {kind!r}")
 
     def pop_ready(self) -> ReadyGroup:
         group = self.ready.popleft()
@@ -259,3 +398,17 @@ class TaskBuffer:
             "reward_std": self.rewards.sample_std,
             "hooks_overridden": sorted(self.hooks.overridden),
         }
+
+
+def _finish_record(task_type: str, group: OpenGroup, outcome: Outcome, seq: int, at: float) -> bytes:
+    header: dict[str, Any] = {"e": "fin", "t": task_type, "i": group.instance_id, "at": at}
+    if isinstance(outcome, Ready):
+        return encode({**header, "o": "ready", "seq": seq}, outcome.items)
+    if isinstance(outcome, Discarded):
+        return encode({**header, "o": "discarded", "reason": outcome.reason})
+    aside = {**header, "o": "aside", "hook": outcome.hook, "error": outcome.error, "tb": outcome.traceback}
+    return encode(aside, [record.raw for record in group.records])
+
+
+def settings_dict(settings: TaskSettings) -> dict[str, Any]:
+    return asdict(settings)

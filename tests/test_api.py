@@ -273,7 +273,8 @@ def test_a_failing_generator_is_recorded_and_the_service_keeps_serving(
     wait_for(lambda: job_status(client, job_id) == "failed")
     job = client.get(f"/jobs/{job_id}").json()["data"]
     assert job["error"] == "RuntimeError: engine unreachable"
-    assert 'raise RuntimeError("engine unreachable")' in job["traceback"]
+    assert job["where"] == "generator/crash_generator.py:3 in run_rollout"
+    assert "traceback" not in job
     assert client.get("/health").status_code == 200
 
 

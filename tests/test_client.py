@@ -176,7 +176,7 @@ async def test_stats_count_what_was_written_pending_ready_and_read(kind: str, se
         after = await buffer.stats()
     assert written.total_written - before.total_written == 6
     assert written.current_size - before.current_size == 4
-    assert written.max_size == -1
+    assert written.max_size == 1_000_000  # --max-buffered-trajectories
     assert written.tasks[task]["ready_groups"] == 1
     assert written.tasks[task]["pending_items"] == 2
     assert after.total_read - written.total_read == 4

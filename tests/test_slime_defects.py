@@ -180,6 +180,9 @@ def test_a_failing_hook_sends_no_traceback_to_the_client(
     assert response.status_code == 200
     assert "Traceback" not in response.text
     assert "secret internals" not in response.text
-    (aside,) = client.get("/buffer/set_aside").json()["data"]["groups"]
+    set_aside = client.get("/buffer/set_aside")
+    assert "Traceback" not in set_aside.text
+    (aside,) = set_aside.json()["data"]["groups"]
     assert aside["hook"] == "normalize_group_data"
+    assert aside["where"] == "generator/boom_generator.py:5 in normalize_group_data"
     assert len(aside["items"]) == 2

@@ -11,6 +11,9 @@
 to slime's own buffer: ``get_rollout_data(wait_s=...)`` long-polls where the server supports
 it and falls back to polling with growing pauses where it answers at once.
 
+With ``api_key`` (default: the ``ROLLOUT_BUFFER_API_KEY`` variable) every request carries
+``Authorization: Bearer <key>``.
+
 Transport errors, timeouts, 429 (honouring ``Retry-After``) and 5xx are retried with
 exponential backoff and jitter, up to ``max_attempts``; any other 4xx raises at once. A
 read is retried too: the server deletes only what it returns, so a retry never takes a

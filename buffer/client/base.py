@@ -7,6 +7,7 @@ answer into the call's typed result (or ``BufferClientError`` when it cannot be 
 
 from __future__ import annotations
 
+import os
 from typing import Any, TypeVar
 
 import httpx
@@ -18,6 +19,14 @@ from buffer.client.errors import BufferClientError, BufferUnavailableError
 from buffer.client.retries import RetryableStatus, RetryWait, log_retry
 
 _T = TypeVar("_T")
+
+#: Where a client finds the key when none is passed: one variable for a trainer and its generators.
+API_KEY_VARIABLE = "ROLLOUT_BUFFER_API_KEY"
+
+
+def key_or_env(api_key: str | None) -> str | None:
+    """``api_key``; when it is None, the ``ROLLOUT_BUFFER_API_KEY`` variable (None if unset)."""
+    return os.environ.get(API_KEY_VARIABLE) if api_key is None else api_key
 
 
 class ClientBase:
@@ -41,6 +50,7 @@ class ClientBase:
         self._backoff_s = backoff_s
         self._max_backoff_s = max_backoff_s
         self._headers = {"content-type": "application/json", "accept": "application/json"}
+        api_key = key_or_env(api_key)
         if api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
 

@@ -70,7 +70,7 @@ class JobInfo(BaseModel):
     counters: dict[str, Any] = Field(default_factory=dict)
     progress: dict[str, Any] = Field(default_factory=dict)
     error: str | None = None
-    traceback: str | None = None
+    where: str | None = None  # where the generator failed, e.g. "generator/x_generator.py:42 in run_rollout"
 
 
 class BufferStats(BaseModel):
@@ -79,7 +79,7 @@ class BufferStats(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     current_size: int = 0  # items ready to read
-    max_size: int = -1  # -1: unbounded
+    max_size: int = -1  # --max-buffered-trajectories; -1: unbounded
     total_written: int = 0
     total_read: int = 0
     pending_items: int = 0  # in groups not yet complete

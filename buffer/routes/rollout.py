@@ -9,7 +9,7 @@ from fastapi import APIRouter, Body, Depends
 from starlette.requests import Request
 from starlette.responses import Response
 
-from buffer.hooks import EVALUATION_HOOKS
+from buffer.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE
 from buffer.models import GetRolloutDataRequest, StartRolloutRequest
 from buffer.responses import items_response, json_response
 from buffer.services import Services, local_url, services
@@ -33,7 +33,11 @@ async def start_rollout(body: StartRolloutRequest, svc: Annotated[Services, Depe
         if running is not None:
             await svc.jobs.cancel(running.id)
         settings = _task_settings(body, svc.settings.default_task_settings())
-        svc.buffer.configure_task(name, settings, EVALUATION_HOOKS if body.evaluation else generator.hooks)
+        if body.evaluation:
+            svc.buffer.configure_task(name, settings, EVALUATION_HOOKS, hooks_source=EVALUATION_SOURCE)
+        else:
+            svc.buffer.configure_task(name, settings, generator.hooks, hooks_source=body.task_type)
+        await svc.buffer.wait_durable()
         job = svc.jobs.start(
             generator, _generator_data(body, name, settings, local_url(svc.settings)), name=name
         )
@@ -94,6 +98,7 @@ async def get_rollout_data(
     if body.wait_s and not await svc.wait_for_items(request, body.task_type, 1, body.wait_s):
         return Response(status_code=499)  # the client has gone: read nothing it would lose
     result = svc.buffer.read(body.task_type, None if body.batch_size in (None, -1) else body.batch_size)
+    await svc.buffer.wait_durable()  # a group handed out is never handed out again, even after a crash
     items = [item for group in result.groups for item in group.items]
     if not result.groups:
         return items_response(False, "No data available to read", (), result.meta_info)

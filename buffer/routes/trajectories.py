@@ -10,6 +10,7 @@ from starlette.responses import Response
 
 from buffer import encoding
 from buffer.models import ReadRequest
+from buffer.registry import where_in
 from buffer.responses import envelope, items_response
 from buffer.services import Services, services
 
@@ -30,6 +31,7 @@ async def read(
     ):
         return Response(status_code=499)  # the client has gone: read nothing it would lose
     result = svc.buffer.read(body.task_type, limit)
+    await svc.buffer.wait_durable()
     items = [item for group in result.groups for item in group.items]
     if not items:
         return items_response(False, "No data available to read", (), result.meta_info)
@@ -56,7 +58,7 @@ async def stats(svc: Annotated[Services, Depends(services)]) -> Response:
     summary = svc.buffer.stats()
     counters = {
         "current_size": summary["current_size"],
-        "max_size": -1,  # unbounded
+        "max_size": svc.buffer.max_buffered or -1,  # -1: unbounded
         "total_written": summary["total_written"],
         "total_read": summary["total_read"],
         "pending_items": summary["pending_items"],
@@ -68,14 +70,15 @@ async def stats(svc: Annotated[Services, Depends(services)]) -> Response:
 
 @router.get("/buffer/set_aside")
 async def set_aside(svc: Annotated[Services, Depends(services)], task_type: str | None = None) -> Response:
-    """Groups a hook failed on, newest last, with the hook, the error and the items."""
+    """Groups a hook failed on, newest last, with the hook, the error, where it happened and the items."""
+    files = {name: generator.path for name, generator in svc.registry.generators.items()}
     groups = [
         {
             "task_type": group.task_type,
             "instance_id": group.instance_id,
             "hook": group.hook,
             "error": group.error,
-            "traceback": group.traceback,
+            "where": where_in(group.traceback, files.get(group.task_type)),
             "at": group.at,
             "items": [encoding.loads(item) for item in group.items],
         }

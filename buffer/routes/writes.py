@@ -24,6 +24,7 @@ async def write(request: Request) -> Response:
     svc: Services = request.app.state.services
     trajectory = parse_json(TRAJECTORY, await request.body())
     result = svc.buffer.write(trajectory)
+    await svc.buffer.wait_durable()
     message = (
         "Duplicate uid: already buffered"
         if result.duplicate
@@ -45,6 +46,7 @@ async def write_batch(request: Request) -> Response:
     else:
         raise InvalidInput.one("body", 'must be a list of trajectories or {"trajectories": [...]}')
     results = svc.buffer.write_many(items)
+    await svc.buffer.wait_durable()
     duplicates = sum(result.duplicate for result in results)
     written = len(results) - duplicates
     return envelope(
@@ -60,7 +62,13 @@ ROUTES = [
 ]
 
 _TRAJECTORY = {"$ref": "#/components/schemas/Trajectory"}
-_ANSWER = {"200": {"description": "written (or a duplicate, accepted)"}, "422": {"description": "invalid"}}
+_ANSWER = {
+    "200": {"description": "written (or a duplicate, accepted); with --data-dir, on disk"},
+    "413": {"description": "larger than --max-request-bytes"},
+    "422": {"description": "invalid"},
+    "429": {"description": "the buffer is full (--max-buffered-trajectories); retry after Retry-After"},
+    "503": {"description": "the data folder cannot be written"},
+}
 
 OPENAPI_PATHS: dict[str, Any] = {
     "/buffer/write": {

@@ -216,7 +216,7 @@ function renderJobs(jobs) {
     let error = "";
     if (job.error) {
       error = el("div", { class: "error" }, job.error);
-      if (job.traceback) error.append(el("details", {}, el("summary", {}, "traceback"), el("pre", {}, job.traceback)));
+      if (job.where) error.append(el("div", { class: "file" }, `at ${job.where}`));
     }
     return [
       job.id, job.task_type, el("span", { class: `badge ${job.status}` }, job.status),
@@ -241,7 +241,7 @@ function renderGenerators(generators, errors) {
   renderList(document.getElementById("generator-errors"), errors, "none", (e) => {
     const item = el("li", { class: "generator-error" },
       el("strong", {}, e.task_type), ` — ${e.kind} error`, el("div", { class: "file" }, e.file), el("div", { class: "error" }, e.error));
-    if (e.traceback) item.append(el("details", {}, el("summary", {}, "traceback"), el("pre", {}, e.traceback)));
+    if (e.where) item.append(el("div", { class: "file" }, `at ${e.where}`));
     return item;
   });
 }

@@ -21,6 +21,8 @@ import orjson
 from pydantic import ValidationError
 from tenacity import AsyncRetrying, retry_if_exception, wait_random_exponential
 
+from buffer.client.base import key_or_env
+from buffer.errors import BufferFull, InvalidInput
 from buffer.jobs import current_job
 from buffer.models import TRAJECTORY
 from buffer.rollout_buffer import RolloutBuffer
@@ -39,7 +41,7 @@ class RejectedTrajectory(ValueError):
 
 
 class LocalSink:
-    """Writes into this process's buffer."""
+    """Writes into this process's buffer: waits while it is full, returns once durable."""
 
     def __init__(self, buffer: RolloutBuffer) -> None:
         self._buffer = buffer
@@ -49,14 +51,24 @@ class LocalSink:
             TRAJECTORY.validate_python(trajectory)
         except ValidationError as exc:
             raise RejectedTrajectory(str(exc)) from None
-        self._buffer.write(trajectory)
+        while True:
+            try:
+                self._buffer.write(trajectory)
+                break
+            except InvalidInput as exc:  # what validation cannot see, e.g. an integer beyond 64 bits
+                raise RejectedTrajectory(str(exc)) from None
+            except BufferFull as exc:  # the trainer is behind: slow down, lose nothing
+                logger.debug("%s; retrying in %d s", exc, exc.retry_after_s)
+                await asyncio.sleep(exc.retry_after_s)
+        await self._buffer.wait_durable()  # as an HTTP write, done once on disk
 
     async def aclose(self) -> None:
         return None
 
 
 class HttpSink:
-    """Writes to a rollout buffer over HTTP, in batches, from a background task."""
+    """Writes to a rollout buffer over HTTP, in batches, from a background task; with ``api_key``
+    (default: the ``ROLLOUT_BUFFER_API_KEY`` variable) as ``Authorization: Bearer``."""
 
     def __init__(
         self,
@@ -72,6 +84,7 @@ class HttpSink:
     ) -> None:
         self._url = url.rstrip("/") + "/buffer/write_batch"
         self._headers = {"content-type": "application/json"}
+        api_key = key_or_env(api_key)
         if api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
         self._batch_size = batch_size
