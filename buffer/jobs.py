@@ -34,6 +34,8 @@ from buffer.rollout_buffer import RolloutBuffer
 
 logger = logging.getLogger(__name__)
 
+CANCEL_WAIT_S = 5.0  # how long a cancel waits for an async generator to stop
+
 _current_job: contextvars.ContextVar[Job | None] = contextvars.ContextVar("current_job", default=None)
 
 
@@ -189,7 +191,11 @@ class JobManager:
         self._finish(job, JobStatus.CANCELLED)
         if job._task is not None:
             job._task.cancel()
-            await asyncio.gather(job._task, return_exceptions=True)
+            # A generator that catches CancelledError and carries on must not hang the caller
+            # (a cancel request, a restart, the service's shutdown).
+            done, _ = await asyncio.wait({job._task}, timeout=CANCEL_WAIT_S)
+            if not done:
+                logger.warning("%s: its generator ignores cancellation; left running", job.id)
         logger.info("%s: cancelled", job.id)
         return job
 

@@ -124,7 +124,7 @@ class _Rotate:
 @dataclass(frozen=True, slots=True)
 class _Delivered:
     at: float
-    lines: list[bytes]
+    lines: Callable[[], list[bytes]]
 
 
 class Journal:
@@ -222,8 +222,9 @@ class Journal:
             self._cv.notify()
             return self._segment
 
-    def deliver(self, at: float, lines: list[bytes]) -> None:
-        """Add trajectories a read delivered to the export log, made durable with the read."""
+    def deliver(self, at: float, lines: Callable[[], list[bytes]]) -> None:
+        """Add trajectories a read delivered to the export log, made durable with the read.
+        ``lines`` makes them, in the writer thread, off the reader's path."""
         with self._cv:
             self._pending.append(_Delivered(at, lines))
             self._appended += 1
@@ -289,7 +290,7 @@ class Journal:
                 os.close(self._fd)
                 self._fd = self._open_segment(entry.segment)
             else:
-                self._write(self._delivered_file(entry.at), entry.lines)
+                self._write(self._delivered_file(entry.at), entry.lines())
                 delivered = True
         self._write(self._fd, chunk)
         if self.sync:

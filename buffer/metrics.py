@@ -30,6 +30,10 @@ JOB_COUNTERS = {
     "failed": ("llm_errors", "Trajectories that failed after their LLM retries, or in their reward"),
     "requests": ("llm_requests", "HTTP requests to the policy server, retries and continuations included"),
     "retries": ("llm_retries", "LLM requests that retried a failed one (continuations excluded)"),
+    "request_failures": (
+        "llm_request_failures",
+        "HTTP requests to the policy server that failed, retried or not",
+    ),
 }
 
 

@@ -290,7 +290,8 @@ class RolloutBuffer:
                 wall = self._wall_clock()
                 header = {"e": "read", "t": task_type, "seqs": [group.seq for group in groups]}
                 self._journal.append(encode({**header, "at": wall, "id": self.reads}))
-                self._journal.deliver(wall, export.lines(groups, wall, self.reads))
+                read_id = self.reads
+                self._journal.deliver(wall, lambda: export.lines(groups, wall, read_id))
             return ReadResult(groups, meta)
 
     def peek(self, task_type: str | None = None, max_items: int | None = None) -> list[ReadyGroup]:

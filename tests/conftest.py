@@ -65,3 +65,24 @@ def simulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with started(command, "simulator", log) as process:
         wait_ready(f"http://127.0.0.1:{port}/health", process, 60, "the simulator")
         yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def process(tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """Start ``python <args>`` on a free loopback port (``--host``/``--port`` added), wait until
+    it answers ``/health``; returns its URL. Every process is stopped at the end."""
+    contexts: list[Any] = []
+
+    def start(*args: str, name: str) -> str:
+        port = free_port()
+        command = [sys.executable, *args, "--host", "127.0.0.1", "--port", str(port)]
+        context = started(command, name, tmp_path / f"{name}.log")
+        running = context.__enter__()
+        contexts.append(context)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(f"{url}/health", running, 60, name)
+        return url
+
+    yield start
+    for context in reversed(contexts):
+        context.__exit__(None, None, None)

@@ -8,39 +8,17 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from buffer.demo import free_port, started, wait_ready
-
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 REPO = Path(__file__).resolve().parent.parent
 Process = Callable[..., str]
-
-
-@pytest.fixture
-def process(tmp_path: Path) -> Iterator[Process]:
-    """Start ``python <args>`` on a free loopback port (``--host``/``--port`` added); returns its URL."""
-    with_stack: list[Any] = []
-
-    def start(*args: str, name: str) -> str:
-        port = free_port()
-        command = [sys.executable, *args, "--host", "127.0.0.1", "--port", str(port)]
-        context = started(command, name, tmp_path / f"{name}.log")
-        running = context.__enter__()
-        with_stack.append(context)
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(f"{url}/health", running, 60, name)
-        return url
-
-    yield start
-    for context in reversed(with_stack):
-        context.__exit__(None, None, None)
 
 
 def drain(client: httpx.Client, task_type: str, groups: int, timeout_s: float = 60) -> list[Any]:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
+from collections import Counter
 from typing import Any
 
 import httpx
 import pytest
 import respx
 
-from buffer.toolkit.llm import ChatClient, ContinuePolicy, LLMError, RetryPolicy, engine_base_url
+from buffer.toolkit.llm import ChatClient, ContinuePolicy, LLMError, LLMStats, RetryPolicy, engine_base_url
 
 pytestmark = pytest.mark.anyio
 
@@ -45,7 +47,8 @@ def sent(route: respx.Route, call: int = -1) -> dict[str, Any]:
 def client(**kwargs: Any) -> ChatClient:
     """A client on httpx's own transport, which respx intercepts."""
     kwargs.setdefault("continuation", ContinuePolicy(delay_s=0))
-    return ChatClient("http://engine.test", retry=FAST, transport=httpx.AsyncHTTPTransport(), **kwargs)
+    kwargs.setdefault("retry", FAST)
+    return ChatClient("http://engine.test", transport=httpx.AsyncHTTPTransport(), **kwargs)
 
 
 def test_the_engine_url_gets_v1_unless_it_has_it() -> None:
@@ -90,9 +93,81 @@ async def test_transient_failures_are_retried(failure: Any) -> None:
 async def test_retries_give_up_with_a_clear_error() -> None:
     route = respx.post(URL).mock(return_value=httpx.Response(503, text="overloaded"))
     async with client() as llm:
-        with pytest.raises(LLMError, match=r"failed 4 times; last: .*503"):
+        with pytest.raises(LLMError, match=r"failed 4 times over [0-9.]+ s; last: .*503"):
             await llm.complete(PROMPT)
     assert route.call_count == 4
+
+
+def test_by_default_a_request_is_retried_for_two_minutes_however_many_attempts_that_takes() -> None:
+    policy = RetryPolicy()
+    assert (policy.max_retry_s, policy.max_attempts) == (120.0, None)
+    assert policy.max_backoff_s <= 5.0  # a request notices the server is back within 5 s
+
+
+@respx.mock
+async def test_an_outage_shorter_than_max_retry_s_is_ridden_out_whatever_the_attempts() -> None:
+    back_at = time.monotonic() + 0.3
+
+    def outage(request: httpx.Request) -> httpx.Response:
+        if time.monotonic() < back_at:
+            raise httpx.ConnectError("connection refused")
+        return answer()
+
+    route = respx.post(URL).mock(side_effect=outage)
+    retry = RetryPolicy(max_retry_s=5.0, backoff_s=0.001, max_backoff_s=0.01)
+    async with client(retry=retry) as llm:
+        completion = await llm.complete(PROMPT)
+    assert completion.text == "\\boxed{2}"
+    assert completion.attempts == route.call_count > 6  # more than any fixed count of old
+    assert llm.stats.requests == route.call_count
+    assert llm.stats.failures == route.call_count - 1
+
+
+@respx.mock
+async def test_retries_stop_when_max_retry_s_is_spent() -> None:
+    route = respx.post(URL).mock(return_value=httpx.Response(503, text="down"))
+    retry = RetryPolicy(max_retry_s=0.3, backoff_s=0.001, max_backoff_s=0.02)
+    started = time.monotonic()
+    async with client(retry=retry) as llm:
+        with pytest.raises(LLMError, match=r"failed [0-9]+ times over [0-9.]+ s; last: .*503"):
+            await llm.complete(PROMPT)
+    assert 0.25 <= time.monotonic() - started < 2.0  # stopped near the budget, not at a count
+    assert route.call_count > 4
+
+
+@respx.mock
+async def test_max_retry_s_zero_makes_one_attempt() -> None:
+    route = respx.post(URL).mock(return_value=httpx.Response(503, text="down"))
+    async with client(retry=RetryPolicy(max_retry_s=0)) as llm:
+        with pytest.raises(LLMError, match=r"failed once over [0-9.]+ s; last: .*503"):
+            await llm.complete(PROMPT)
+    assert route.call_count == 1
+
+
+@respx.mock
+async def test_stats_count_every_request_and_every_failure_by_kind_as_they_happen() -> None:
+    respx.post(URL).mock(
+        side_effect=[
+            httpx.Response(503),
+            httpx.ConnectError("refused"),
+            httpx.ReadError("connection reset"),
+            answer(),
+            httpx.Response(400, text="bad"),
+            httpx.Response(200, text="not json"),
+        ]
+    )
+    async with client() as llm:
+        assert (await llm.complete(PROMPT)).attempts == 4
+        for _ in range(2):
+            with pytest.raises(LLMError):
+                await llm.complete(PROMPT)
+    assert llm.stats == LLMStats(
+        requests=6,
+        failures=5,
+        failures_by_kind=Counter(
+            {"HTTP 503": 1, "ConnectError": 1, "ReadError": 1, "HTTP 400": 1, "invalid JSON": 1}
+        ),
+    )
 
 
 @respx.mock

@@ -26,6 +26,7 @@ from openai import AsyncOpenAI
 from buffer.simulator import SimConfig, create_sim_app
 from buffer.simulator.arithmetic import solve
 from buffer.simulator.cli import parse_config
+from buffer.toolkit.llm import ChatClient, LLMError, RetryPolicy
 
 pytestmark = pytest.mark.anyio
 
@@ -262,6 +263,54 @@ async def test_stream_and_malformed_requests_answer_400_saying_why() -> None:
     assert "messages" in empty.json()["error"]["message"]
 
 
+async def test_an_outage_answers_every_chat_completion_with_503_until_it_ends() -> None:
+    app = sim_app(accuracy=1.0)
+    question = {"model": "m", "messages": [{"role": "user", "content": "What is 1 + 1?"}]}
+    async with client_for(app) as client:
+        assert (await client.get("/outage")).json() == {"active": False, "mode": None, "remaining_s": 0.0}
+        started = (await client.post("/outage", json={"seconds": 30, "mode": "503"})).json()
+        assert (started["active"], started["mode"]) == (True, "503")
+        assert 29 < started["remaining_s"] <= 30
+        for _ in range(3):
+            down = await client.post("/v1/chat/completions", json=question)
+            assert down.status_code == 503
+            assert down.json()["error"]["type"] == "server_error"
+        assert (await client.get("/health")).status_code == 200  # the process is up, the model is not
+        ended = (await client.post("/outage", json={"seconds": 0})).json()
+        assert ended["active"] is False
+        assert (await client.post("/v1/chat/completions", json=question)).status_code == 200
+
+        await client.post("/outage", json={"seconds": 0.1})  # "503" is the default mode
+        assert (await client.post("/v1/chat/completions", json=question)).status_code == 503
+        await asyncio.sleep(0.15)
+        assert (await client.post("/v1/chat/completions", json=question)).status_code == 200
+        stats = (await client.get("/stats")).json()
+    assert stats["requests"] == 6
+    assert stats["by_status"] == {"200": 2, "503": 4}
+
+
+async def test_a_request_waiting_out_its_latency_when_an_outage_starts_fails_too() -> None:
+    app = sim_app(latency_mean_s=0.3)
+    async with client_for(app) as client:
+        waiting = asyncio.create_task(
+            client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        )
+        await asyncio.sleep(0.05)
+        await client.post("/outage", json={"seconds": 30})
+        assert (await waiting).status_code == 503
+
+
+async def test_a_bad_outage_request_is_refused_and_is_no_chat_request() -> None:
+    app = sim_app()
+    async with client_for(app) as client:
+        for body in ({"seconds": -1}, {"seconds": 5, "mode": "crash"}, {"mode": "503"}):
+            response = await client.post("/outage", json=body)
+            assert response.status_code == 400
+            assert response.json()["error"]["type"] == "invalid_request_error"
+        assert (await client.get("/outage")).json()["active"] is False
+        assert (await client.get("/stats")).json()["requests"] == 0
+
+
 # Tools
 
 
@@ -496,6 +545,31 @@ def simulator_url(tmp_path: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.mark.e2e
+async def test_an_outage_in_reset_mode_drops_connections_and_the_chat_client_rides_it_out(
+    simulator_url: str,
+) -> None:
+    """Through the real server and the client's real (aiohttp) transport."""
+    question = [{"role": "user", "content": "What is 2 + 3?"}]
+    async with httpx.AsyncClient(base_url=simulator_url) as http:
+        await http.post("/outage", json={"seconds": 30, "mode": "reset"})
+        async with ChatClient(simulator_url, retry=RetryPolicy(max_retry_s=0)) as impatient:
+            with pytest.raises(LLMError, match=r"failed once .*ReadError"):
+                await impatient.complete(question)
+        assert (await http.get("/stats")).json()["dropped"] == 1
+
+        await http.post("/outage", json={"seconds": 1.0, "mode": "reset"})
+        async with ChatClient(simulator_url) as patient:  # the default policy
+            completion = await patient.complete(question)
+        stats = (await http.get("/stats")).json()
+    assert boxed(completion.text) == "5"
+    assert completion.attempts > 1
+    assert patient.stats.failures == completion.attempts - 1
+    assert set(patient.stats.failures_by_kind) == {"ReadError"}
+    assert stats["dropped"] == 1 + patient.stats.failures
+    assert stats["by_status"] == {"200": 1}
 
 
 @pytest.mark.e2e

@@ -1,7 +1,7 @@
 """The HTTP face of the simulator: ``create_sim_app(config)`` and its counters.
 
 Routes: ``POST /v1/chat/completions`` (non-streaming), ``GET /v1/models``, ``GET /health``,
-``GET /stats`` and ``POST /stats/reset``.
+``GET /stats``, ``POST /stats/reset``, and ``GET``/``POST /outage`` (see ``outage.py``).
 
 Randomness. Faults (429, 500/503, aborts) and latency come from the server's generator, seeded by
 ``--seed``, so a retried request is not doomed to repeat its fault. The reply itself (the text, a
@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from buffer.simulator.config import SimConfig
+from buffer.simulator.outage import DroppedConnection, Outage, OutageRequest
 from buffer.simulator.protocol import ChatRequest, error_body
 from buffer.simulator.replies import Choice, complete, count_prompt_tokens, fake_logprobs
 
@@ -44,6 +45,7 @@ class SimStats:
     in_flight: int = 0
     max_in_flight: int = 0
     by_status: Counter[int] = field(default_factory=Counter)
+    dropped: int = 0  # connections dropped by an outage in "reset" mode
     by_finish_reason: Counter[str] = field(default_factory=Counter)
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -55,7 +57,7 @@ class SimStats:
 
     def reset(self) -> None:
         """Zero every counter; requests still running are still counted in flight."""
-        self.requests = self.prompt_tokens = self.completion_tokens = 0
+        self.requests = self.prompt_tokens = self.completion_tokens = self.dropped = 0
         self.max_in_flight = self.in_flight
         self.by_status.clear()
         self.by_finish_reason.clear()
@@ -66,6 +68,7 @@ class SimStats:
             "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight,
             "by_status": {str(status): count for status, count in sorted(self.by_status.items())},
+            "dropped": self.dropped,
             "by_finish_reason": dict(sorted(self.by_finish_reason.items())),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -81,10 +84,12 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
     config = config or SimConfig()
     server_rng = random.Random(config.seed)
     stats = SimStats()
+    outage = Outage()
     created = int(time.time())
     app = FastAPI(title="simulated OpenAI-compatible LLM server")
     app.state.config = config
     app.state.stats = stats
+    app.state.outage = outage
 
     @app.get("/health")
     async def health() -> Response:
@@ -109,15 +114,38 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
         stats.reset()
         return json_response(stats.snapshot())
 
+    @app.get("/outage")
+    async def get_outage() -> Response:
+        return json_response(outage.snapshot())
+
+    @app.post("/outage")
+    async def start_outage(body: OutageRequest) -> Response:
+        outage.start(body.seconds, body.mode)
+        if body.seconds:
+            logger.warning("outage: chat completions fail (%s) for %.1f s", body.mode, body.seconds)
+        else:
+            logger.warning("outage: ended")
+        return json_response(outage.snapshot())
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatRequest) -> Response:
         stats.enter()
         try:
-            status, body, headers = await _answer(request, config, server_rng, stats)
+            answer = None if outage.active else await _answer(request, config, server_rng, stats)
         finally:
             stats.in_flight -= 1
+        if answer is None or outage.active:  # down when it came, or went down while it waited
+            return outage_response()
+        status, body, headers = answer
         stats.by_status[status] += 1
         return json_response(body, status, headers)
+
+    def outage_response() -> Response:
+        if outage.mode == "reset":
+            stats.dropped += 1
+            return DroppedConnection()
+        stats.by_status[503] += 1
+        return json_response(error_body("simulated outage: the server is unavailable", "server_error"), 503)
 
     async def validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
@@ -125,8 +153,9 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
             f"{'.'.join(str(part) for part in error['loc'][1:]) or 'body'}: {error['msg']}"
             for error in exc.errors()
         )
-        stats.requests += 1
-        stats.by_status[400] += 1
+        if request.url.path.startswith("/v1/"):  # the counters are those of the OpenAI routes
+            stats.requests += 1
+            stats.by_status[400] += 1
         return json_response(error_body(problems, "invalid_request_error"), 400)
 
     app.add_exception_handler(RequestValidationError, validation_error)

@@ -10,6 +10,7 @@ from pydantic_settings import CliApp
 
 from buffer.simulator.app import create_sim_app
 from buffer.simulator.config import SimConfig
+from buffer.simulator.outage import QuietDroppedConnections
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S",
     )
+    logging.getLogger("uvicorn.error").addFilter(QuietDroppedConnections())  # counted on /stats instead
     settings = ", ".join(
         f"{name}={value}" for name, value in config.model_dump(exclude={"host", "port"}).items()
     )

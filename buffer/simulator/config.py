@@ -14,7 +14,9 @@ LatencyDistribution = Literal["fixed", "uniform", "exponential", "lognormal"]
 
 class SimConfig(BaseSettings):
     """Run a simulated OpenAI-compatible LLM server (no model, no GPU) for demos, tests and benchmarks.
-    Every option can also be set as an environment variable SIM_LLM_<OPTION>; flags win over variables."""
+    Every option can also be set as an environment variable SIM_LLM_<OPTION>; flags win over variables.
+    At run time, POST /outage {"seconds": 10, "mode": "503" or "reset"} makes every chat completion
+    fail for that long (an HTTP 503, or a dropped connection); GET /stats counts what was asked."""
 
     model_config = SettingsConfigDict(
         env_prefix="SIM_LLM_",

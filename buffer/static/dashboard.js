@@ -211,6 +211,7 @@ function renderTasks(stats) {
 function renderJobs(jobs) {
   const rows = jobs.map((job) => {
     const progress = Object.entries(job.progress || {})
+      .filter(([, value]) => typeof value !== "object") // histograms and counts by kind: not a cell
       .map(([key, value]) => `${key.replaceAll("_", " ")}: ${typeof value === "number" ? fmt(value, Number.isInteger(value) ? 0 : 2) : value}`)
       .join(" · ");
     let error = "";

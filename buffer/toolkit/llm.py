@@ -9,18 +9,25 @@ anyway. Tests pass ``transport=httpx.AsyncHTTPTransport()``, which respx interce
 
 Two kinds of failure are handled here, so generators never see them:
 
-- transport errors, timeouts, 429 and 5xx are retried with exponential backoff and jitter
-  (tenacity), honouring ``Retry-After``, up to ``RetryPolicy.max_attempts``;
+- transport errors (a refused or dropped connection), timeouts, 429 and 5xx are retried
+  (tenacity) for as long as ``RetryPolicy.max_retry_s`` allows, two minutes by default, so a
+  policy server that restarts or is overloaded for a while is waited out; each wait is random
+  (full jitter) up to an exponential backoff capped at ``max_backoff_s``, so a thousand
+  requests in flight do not come back at once, and never shorter than a ``Retry-After``;
 - an answer that ends with ``finish_reason: "abort"`` (SGLang aborts requests around weight
   updates) is continued: the text so far goes back as the final assistant message with
   ``continue_final_message``, within what is left of the ``max_tokens`` budget, after an
   asynchronous pause (slime's ``query_single_turn`` sleeps 10 s in a worker process).
+
+Every request and every failed one is counted on ``ChatClient.stats`` as it happens, so an
+outage shows on a job's progress while it lasts, not only once its answers come.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +40,10 @@ from tenacity import (
     RetryCallState,
     retry_if_exception,
     stop_after_attempt,
+    stop_before_delay,
     wait_random_exponential,
 )
+from tenacity.stop import stop_base
 
 from buffer.toolkit.types import Completion, Message
 
@@ -54,9 +63,36 @@ class _RetryableStatus(Exception):
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    max_attempts: int = 6
-    backoff_s: float = 0.5  # the scale of the exponential, randomised wait
-    max_backoff_s: float = 30.0
+    """How a failed request is retried: until ``max_retry_s`` have passed since it first failed
+    (no further attempt starts after that), and at most ``max_attempts`` attempts if set. The
+    n-th wait is random, between 0 and ``backoff_s * 2 ** (n - 1)`` capped at ``max_backoff_s``:
+    the cap bounds how long a request waits after the server is back. ``max_retry_s=0``: no retry.
+    """
+
+    max_retry_s: float = 120.0
+    max_attempts: int | None = None
+    backoff_s: float = 0.5
+    max_backoff_s: float = 5.0
+
+
+@dataclass(slots=True)
+class LLMStats:
+    """What one client has asked of the policy server, counted as it happens.
+
+    A failure is an HTTP request that got no usable answer: a retryable or a client error
+    status (``"HTTP 503"``), a transport error (``"ConnectError"``, ``"ReadTimeout"``, ...), or
+    an answer that is no JSON (``"invalid JSON"``); retried or not."""
+
+    requests: int = 0
+    failures: int = 0
+    failures_by_kind: Counter[str] = field(default_factory=Counter)
+
+    def failed(self, kind: str) -> None:
+        self.failures += 1
+        self.failures_by_kind[kind] += 1
+
+    def copy(self) -> LLMStats:
+        return LLMStats(self.requests, self.failures, Counter(self.failures_by_kind))
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +127,7 @@ class ChatClient:
         self.model = model
         self.retry = retry or RetryPolicy()
         self.continuation = continuation or ContinuePolicy()
+        self.stats = LLMStats()
         self._headers = {"content-type": "application/json"}
         if api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
@@ -186,32 +223,47 @@ class ChatClient:
         except (_RetryableStatus, httpx.TransportError) as exc:
             first_failure: BaseException | None = exc
         policy = self.retry
+        stop: stop_base = stop_before_delay(policy.max_retry_s)
+        if policy.max_attempts is not None:
+            stop = stop | stop_after_attempt(policy.max_attempts)
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(policy.max_attempts),
+            stop=stop,
             wait=_Wait(policy.backoff_s, policy.max_backoff_s),
             retry=retry_if_exception(_is_retryable),
             reraise=True,
         )
+        attempts = 1
+        first_failed_at = time.monotonic()
         try:
             async for attempt in retrying:
                 with attempt:
+                    attempts = attempt.retry_state.attempt_number
                     if first_failure is not None:  # attempt 1 was made above: replay its failure
                         failure, first_failure = first_failure, None
                         raise failure
-                    return await self._send(content), attempt.retry_state.attempt_number
+                    return await self._send(content), attempts
         except (_RetryableStatus, httpx.TransportError) as exc:
-            raise LLMError(f"the policy server failed {policy.max_attempts} times; last: {exc!r}") from exc
+            elapsed_s = time.monotonic() - first_failed_at
+            times = "once" if attempts == 1 else f"{attempts} times"
+            raise LLMError(f"the policy server failed {times} over {elapsed_s:.1f} s; last: {exc!r}") from exc
         raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
 
     async def _send(self, content: bytes) -> dict[str, Any]:
-        response = await self._client.post(self._url, content=content, headers=self._headers)
-        if response.status_code in RETRYABLE_STATUS:
-            raise _RetryableStatus(response)
+        self.stats.requests += 1
+        try:
+            response = await self._client.post(self._url, content=content, headers=self._headers)
+        except httpx.TransportError as exc:
+            self.stats.failed(type(exc).__name__)
+            raise
         if response.is_error:
+            self.stats.failed(f"HTTP {response.status_code}")
+            if response.status_code in RETRYABLE_STATUS:
+                raise _RetryableStatus(response)
             raise LLMError(f"HTTP {response.status_code} from the policy server: {response.text[:500]}")
         try:
             answer: dict[str, Any] = orjson.loads(response.content)
         except orjson.JSONDecodeError as exc:
+            self.stats.failed("invalid JSON")
             raise LLMError(f"the policy server answered invalid JSON: {exc}") from exc
         return answer
 

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from buffer.jobs import current_job
 from buffer.toolkit.agent import single_turn
 from buffer.toolkit.dataset import Plan, read_rows
-from buffer.toolkit.llm import ChatClient, ContinuePolicy, RetryPolicy
+from buffer.toolkit.llm import ChatClient, ContinuePolicy, LLMStats, RetryPolicy
 from buffer.toolkit.sink import RejectedTrajectory, TrajectorySink, open_sink
 from buffer.toolkit.types import Completion, Episode, GroupRewardFn, Message, RewardFn, Sample
 from default_func import FAILURE_REWARD
@@ -68,7 +68,12 @@ class RolloutSettings(BaseModel):
     engine_api_key: str | None = None
     buffer_api_key: str | None = None
     request_timeout_s: float = Field(600.0, gt=0)
-    max_attempts: int = Field(6, ge=1, description="HTTP attempts per request to the policy server")
+    max_retry_s: float = Field(
+        120.0, ge=0, description="how long a failed request to the policy server is retried, in seconds"
+    )
+    max_attempts: int | None = Field(
+        None, ge=1, description="at most this many HTTP attempts per request to the policy server"
+    )
     abort_retry_delay_s: float = Field(1.0, ge=0)
     progress_interval_s: float = Field(10.0, gt=0)
 
@@ -87,9 +92,14 @@ class Progress:
     completed: int = 0
     failed: int = 0
     rejected: int = 0
-    #: LLM requests: HTTP requests to the policy server, and those that retried a failure.
+    #: LLM requests: HTTP requests to the policy server, and those that retried a failure,
+    #: counted for the answers that came.
     requests: int = 0
     retries: int = 0
+    #: HTTP requests to the policy server that failed (5xx, 429, a dropped connection, a
+    #: timeout, ...), counted as they fail, whether a retry then got an answer or not; by kind.
+    request_failures: int = 0
+    request_failures_by_kind: dict[str, int] = field(default_factory=dict)
     #: Completions per latency bucket (not cumulative; the last one is +Inf), and their sum.
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
     latency_sum_s: float = 0.0
@@ -106,6 +116,11 @@ class Progress:
             self.retries += max(0, completion.attempts - 1 - completion.continuations)
             self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, completion.latency_s)] += 1
             self.latency_sum_s += completion.latency_s
+
+    def count_failures(self, stats: LLMStats, since: LLMStats) -> None:
+        """Take the request failures a client has counted (``stats``) since ``since``."""
+        self.request_failures = stats.failures - since.failures
+        self.request_failures_by_kind = dict(stats.failures_by_kind - since.failures_by_kind)
 
     def snapshot(self) -> dict[str, Any]:
         """Plain numbers for the job: the latency buckets cumulative, keyed by their bound."""
@@ -128,9 +143,10 @@ class Progress:
     def line(self) -> str:
         s = self.snapshot()
         share = f" ({100 * s['completed'] / s['total']:.1f}%)" if s["total"] else ""
+        failures = f", {s['request_failures']} LLM requests failed" if s["request_failures"] else ""
         return (
             f"{self.task_type}: {s['completed']}/{s['total']} trajectories{share}, "
-            f"{s['trajectories_per_s']}/s, {s['failed']} failed, {s['in_flight']} in flight"
+            f"{s['trajectories_per_s']}/s, {s['failed']} failed, {s['in_flight']} in flight{failures}"
         )
 
 
@@ -178,20 +194,23 @@ async def run_rollouts(
         api_key=settings.engine_api_key,
         max_connections=settings.num_process,
         timeout_s=settings.request_timeout_s,
-        retry=RetryPolicy(max_attempts=settings.max_attempts),
+        retry=RetryPolicy(max_retry_s=settings.max_retry_s, max_attempts=settings.max_attempts),
         continuation=ContinuePolicy(delay_s=settings.abort_retry_delay_s),
     )
     run = _Run(
         settings, progress, sink, functools.partial(rollout, llm, **settings.sampling()), reward, group_reward
     )
-    reporter = asyncio.create_task(_report(progress, settings.progress_interval_s), name="rollout-progress")
+    publish = functools.partial(_publish, progress, llm.stats, llm.stats.copy())
+    reporter = asyncio.create_task(
+        _report(progress, settings.progress_interval_s, publish), name="rollout-progress"
+    )
     try:
         await run.all(plan)
     finally:
         reporter.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reporter
-        _publish(progress)
+        publish()
         logger.info("%s; done", progress.line())
         if own_llm:
             await llm.aclose()
@@ -358,18 +377,20 @@ def _as_async(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
     return in_thread
 
 
-async def _report(progress: Progress, interval_s: float) -> None:
+async def _report(progress: Progress, interval_s: float, publish: Callable[[], None]) -> None:
     """Publish the counts on the job every second; log them every ``interval_s``."""
     last_logged = time.monotonic()
     while True:
         await asyncio.sleep(min(1.0, interval_s))
-        _publish(progress)
+        publish()
         if time.monotonic() - last_logged >= interval_s:
             last_logged = time.monotonic()
             logger.info("%s", progress.line())
 
 
-def _publish(progress: Progress) -> None:
+def _publish(progress: Progress, llm: LLMStats, llm_at_start: LLMStats) -> None:
+    """Bring the LLM's failures up to date on ``progress``, and put it on the job."""
+    progress.count_failures(llm, llm_at_start)
     job = current_job()
     if job is not None:
         job.progress.update(progress.snapshot())
