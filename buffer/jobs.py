@@ -103,6 +103,7 @@ class JobManager:
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._ids = itertools.count(1)
         self._keep = keep
+        self._stopping = False
 
     def start(self, generator: Generator, data: dict[str, Any], *, name: str | None = None) -> Job:
         """Run ``generator.run_rollout(data)`` in the background, as the buffer task ``name``
@@ -119,6 +120,7 @@ class JobManager:
         )
         self._jobs[job.id] = job
         self._forget_old()
+        self._buffer.job_started(task_type, generator.task_type, data)
         job._task = asyncio.get_running_loop().create_task(self._run(job, generator), name=job.id)
         logger.info("%s: started %s (%s)", job.id, task_type, generator.path)
         return job
@@ -157,6 +159,8 @@ class JobManager:
             return
         job.status, job.error, job.traceback, job.where = status, error, tb, at
         job.finished_at = time.time()
+        if not self._stopping:  # stopped by the service's shutdown: it runs again after a restart
+            self._buffer.job_ended(job.task_type)
 
     def _forget_old(self) -> None:
         while len(self._jobs) > self._keep:
@@ -200,6 +204,7 @@ class JobManager:
         return job
 
     async def shutdown(self) -> None:
+        self._stopping = True
         for job in list(self._jobs.values()):
             if not job.done:
                 await self.cancel(job.id)

@@ -77,6 +77,9 @@ class RolloutBuffer:
         self._seq = 0  # the order of ready groups across tasks
         self.reads = 0  # reads that returned groups: the export's read_id
         self.refused_full = 0  # writes refused with BufferFull
+        #: The generator jobs running, by buffer task: what started each, to start it again
+        #: after a restart (``job_started``, ``job_ended``).
+        self.jobs: dict[str, dict[str, Any]] = {}
         self._uids: set[str] = set()
         self._uid_order: deque[str] = deque()
         self._dedup_window = dedup_window
@@ -374,6 +377,21 @@ class RolloutBuffer:
                 "tasks": tasks,
             }
 
+    # -- generator jobs ----------------------------------------------------------------
+
+    def job_started(self, task_type: str, generator: str, data: dict[str, Any]) -> None:
+        """Remember that ``generator`` runs as ``task_type`` with ``data``, across restarts."""
+        with self._lock:
+            self.jobs[task_type] = {"generator": generator, "data": data}
+            if self._journal is not None:
+                self._journal.append(encode({"e": "job", "t": task_type, "g": generator, "data": data}))
+
+    def job_ended(self, task_type: str) -> None:
+        """The task's job finished, failed or was cancelled: a restart leaves it ended."""
+        with self._lock:
+            if self.jobs.pop(task_type, None) is not None and self._journal is not None:
+                self._journal.append(encode({"e": "job_end", "t": task_type}))
+
     # -- the journal -------------------------------------------------------------------
 
     def restore(self, events: Iterable[Event]) -> int:
@@ -416,6 +434,10 @@ class RolloutBuffer:
             for task in tasks:
                 task.reset_window()
             self.reads = header["id"]
+        elif kind == "job":
+            self.jobs[header["t"]] = {"generator": header["g"], "data": header["data"]}
+        elif kind == "job_end":
+            self.jobs.pop(header["t"], None)
         elif kind == "task":
             source = header["h"]
             settings = TaskSettings(**header["s"])
@@ -426,6 +448,7 @@ class RolloutBuffer:
             self.duplicates, self.total_read = header["duplicates"], header["total_read"]
             self.reads, self._written_seq = header["reads"], header["written_seq"]
             self.recent.extend(tuple(entry) for entry in header["recent"])
+            self.jobs = header.get("jobs", {})
             for uid in header["uids"]:
                 self._remember(uid)
         else:
@@ -469,6 +492,7 @@ class RolloutBuffer:
                 "reads": self.reads,
                 "written_seq": self._written_seq,
                 "recent": list(self.recent),
+                "jobs": dict(self.jobs),
                 "uids": list(self._uid_order),
             }
 

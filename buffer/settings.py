@@ -59,6 +59,11 @@ class Settings(BaseSettings):
         description="with --data-dir, when a write is acknowledged: sync: once on disk (fdatasync; "
         "survives power loss); flush: once handed to the OS (survives a crash of the service)",
     )
+    resume_jobs: CliImplicitFlag[bool] = Field(
+        True,
+        description="with --data-dir, start again the generator jobs that were running when the "
+        "service stopped (--no-resume-jobs forgets them)",
+    )
     export_retention_hours: float = Field(
         168.0, ge=0, description="with --data-dir, how long delivered trajectories are kept for export"
     )

@@ -90,6 +90,7 @@ _SESSIONS: dict[tuple[str, str], _Session] = {}
 #: Each read waits up to this long for a group (it returns as soon as one is ready); between
 #: empty reads the adapter checks that the rollout is still running.
 WAIT_S = 5.0
+CLIENT_ATTEMPTS = 20  # with backoff up to 10 s between them: about a minute and a half
 
 
 def close_sessions() -> None:
@@ -113,8 +114,12 @@ def _session(args: Any) -> _Session:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
+        # Patient: a restart of the buffer (on its --data-dir, with its jobs resumed) takes
+        # seconds to a minute, and training should ride it out rather than stop.
         client = RolloutBufferClient(
-            args.rollout_buffer_url, api_key=getattr(args, "rollout_buffer_api_key", None)
+            args.rollout_buffer_url,
+            api_key=getattr(args, "rollout_buffer_api_key", None),
+            max_attempts=CLIENT_ATTEMPTS,
         )
         session = _SESSIONS[key] = _Session(client, SampleConverter(tokenizer))
     return session

@@ -232,3 +232,48 @@ def test_a_write_the_disk_refuses_gets_503_and_no_traceback(
             "the buffer cannot write to its data folder: No space left on device"
         )
         assert client.get("/health").status_code == 200  # the service itself stays up
+
+
+# Writes one trajectory of a new group every 20 ms until cancelled.
+STEADY = """
+import asyncio
+from buffer.toolkit import open_sink
+
+TASK_TYPE = "steady"
+
+async def run_rollout(data):
+    sink = await open_sink(None)
+    number = 0
+    while True:
+        number += 1
+        await sink.write({
+            "instance_id": f"{data['tag']}-{number}", "reward": 1.0,
+            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+        })
+        await asyncio.sleep(0.02)
+"""
+
+
+def running_jobs(client: TestClient) -> list[dict[str, Any]]:
+    return [job for job in client.get("/jobs").json()["data"]["jobs"] if job["status"] == "running"]
+
+
+def test_a_job_running_when_the_service_stopped_runs_again_after_a_restart(
+    generator_dir: Path, tmp_path: Path
+) -> None:
+    (generator_dir / "steady_generator.py").write_text(STEADY)
+    data_dir = tmp_path / "data"
+    with service(generator_dir, data_dir) as client:
+        start = {"task_type": "steady", "rollout_name": "train", "num_repeat_per_sample": 2, "tag": "t"}
+        assert client.post("/start_rollout", json=start).status_code == 200
+    with service(generator_dir, data_dir) as client:
+        (job,) = running_jobs(client)
+        assert job["task_type"] == "train"
+        assert job["generator_file"].endswith("steady_generator.py")
+        client.post(f"/jobs/{job['id']}/cancel")  # ended by the user: not resumed again
+    with service(generator_dir, data_dir) as client:
+        assert running_jobs(client) == []
+    with service(generator_dir, data_dir, resume_jobs=False) as client:
+        assert client.post("/start_rollout", json=start).status_code == 200
+    with service(generator_dir, data_dir, resume_jobs=False) as client:
+        assert running_jobs(client) == []

@@ -84,6 +84,7 @@ def state(buffer: RolloutBuffer) -> dict[str, Any]:
         "current": buffer.current_task,
         "recent": list(buffer.recent),
         "reads": buffer.reads,
+        "jobs": buffer.jobs,
     }
 
 
@@ -114,6 +115,9 @@ def fill(buffer: RolloutBuffer, clock: FakeClock) -> None:
     buffer.write_many(group("c1", [0.0, 1.0], task_type="custom"))
     buffer.write(trajectory("c2", 0.0, task_type="custom"))
     buffer.write(trajectory(7, 0.5))  # the current task, with an integer instance id
+    buffer.job_started("math", "math", {"task_type": "math", "num_repeat_per_sample": 2})
+    buffer.job_started("eval", "math", {"task_type": "eval"})
+    buffer.job_ended("eval")
 
 
 def test_a_restart_restores_everything_a_client_can_see(open_service: Any, clock: FakeClock) -> None:
