@@ -93,6 +93,30 @@ async def test_a_refused_trajectory_does_not_hold_back_the_rest() -> None:
     )
 
 
+@pytest.mark.anyio
+@respx.mock
+async def test_a_batch_past_the_size_limit_is_sent_in_halves_and_only_a_lone_giant_refused() -> None:
+    """The buffer answers 413 past --max-request-bytes: smaller batches get through."""
+    giant = trajectory("giant", messages=[{"role": "user", "content": "x" * 5000}])
+
+    def limit(request: httpx.Request) -> httpx.Response:
+        if len(request.content) > 4000:
+            return httpx.Response(413, json={"success": False, "message": "larger than max_request_bytes"})
+        return accepted(request)
+
+    route = respx.post(WRITE_BATCH).mock(side_effect=limit)
+    out = sink(batch_size=16, flush_interval_s=1.0)
+    items = [trajectory(f"q{i}") for i in range(12)]  # ~300 bytes each: ~3.6 KB a batch of 12
+    for item in [*items[:6], giant, *items[6:]]:
+        await out.write(item)
+    await out.aclose()
+    assert (out.written, out.rejected) == (12, 1)
+    delivered = [json.loads(call.request.content) for call in route.calls if call.response.status_code == 200]
+    assert sorted(item["uid"] for batch in delivered for item in batch) == sorted(
+        item["uid"] for item in items
+    )
+
+
 def test_the_same_service_is_recognised_by_port_and_local_address() -> None:
     local = "http://127.0.0.1:8889"
     assert same_service("http://localhost:8889", local)

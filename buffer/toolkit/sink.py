@@ -146,10 +146,14 @@ class HttpSink:
     async def _send(self, batch: list[dict[str, Any]]) -> None:
         try:
             await self._post(batch)
-        except RejectedTrajectory as exc:
+        except (RejectedTrajectory, _TooLarge) as exc:
             if len(batch) == 1:
                 self.rejected += 1
                 logger.error("the buffer refused trajectory %s: %s", batch[0].get("uid"), exc)
+                return
+            if isinstance(exc, _TooLarge):  # past --max-request-bytes: send it in halves
+                await self._send(batch[: len(batch) // 2])
+                await self._send(batch[len(batch) // 2 :])
                 return
             for trajectory in batch:  # find the bad one; the rest still go in
                 await self._send([trajectory])
@@ -164,6 +168,8 @@ class HttpSink:
                 response = await self._client.post(self._url, content=content, headers=self._headers)
                 if response.status_code == 422:
                     raise RejectedTrajectory(response.text[:1000])
+                if response.status_code == 413:
+                    raise _TooLarge(response.text[:1000])
                 if response.status_code == 429 or response.status_code >= 500:
                     raise _BufferBusy(response)
                 response.raise_for_status()
@@ -175,6 +181,10 @@ class HttpSink:
             wait = max(wait, error.retry_after_s)
         logger.warning("writing to the buffer failed (%s); retrying in %.1f s", error, wait)
         return wait
+
+
+class _TooLarge(Exception):
+    """The batch is larger than the buffer's --max-request-bytes."""
 
 
 class _BufferBusy(Exception):
