@@ -24,14 +24,17 @@ def read(client: TestClient, body: Any = None) -> dict[str, Any]:
     return result
 
 
-def wait_for(condition: Callable[[], Any], timeout_s: float = 10.0) -> Any:
+def wait_for(
+    condition: Callable[[], Any], timeout_s: float = 10.0, what: str = "condition", interval_s: float = 0.02
+) -> Any:
+    """``condition()``'s first true value, checked every ``interval_s`` for up to ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
+        time.sleep(interval_s)
+    raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
 
 
 def job_status(client: TestClient, job_id: str) -> str:

@@ -9,7 +9,6 @@ simulator is made to fail every request for 10 s while the job is under way.
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ from buffer.simulator import SimConfig, create_sim_app
 from buffer.toolkit.llm import ChatClient, RetryPolicy
 from buffer.toolkit.runner import run_rollouts
 from buffer.toolkit.types import Episode, Sample
+from tests.calls import wait_for
 
 OUTAGE_S = 10.0
 
@@ -90,16 +90,6 @@ async def test_a_run_rides_out_an_outage_and_its_progress_counts_the_failures(tm
 # -- end to end ------------------------------------------------------------------------
 
 
-def poll(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_the_math_generator_resumes_after_a_ten_second_outage_and_loses_nothing(
@@ -133,12 +123,18 @@ def test_the_math_generator_resumes_after_a_ten_second_outage_and_loses_nothing(
             found: dict[str, Any] = next(j for j in jobs if j["id"] == job_id)
             return found
 
-        poll(lambda: job()["progress"].get("completed", 0) >= 40, 20, "40 trajectories before the outage")
+        wait_for(
+            lambda: job()["progress"].get("completed", 0) >= 40, 20, "40 trajectories before the outage", 0.1
+        )
         httpx.post(f"{engine}/outage", json={"seconds": OUTAGE_S, "mode": "reset"}, trust_env=False)
-        during = poll(lambda: job()["progress"].get("request_failures"), OUTAGE_S, "failures on the job")
+        during = wait_for(
+            lambda: job()["progress"].get("request_failures"), OUTAGE_S, "failures on the job", 0.1
+        )
         assert job()["status"] == "running"  # the failures show while the outage lasts
 
-        done = poll(lambda: (lambda j: j if j["status"] != "running" else None)(job()), 45, "the job's end")
+        done = wait_for(
+            lambda: (lambda j: j if j["status"] != "running" else None)(job()), 45, "the job's end", 0.1
+        )
         stats = client.get("/buffer/stats").json()["data"]
         items: list[dict[str, Any]] = []
         while len(items) < rows * repeats:
