@@ -408,7 +408,3 @@ def _finish_record(task_type: str, group: OpenGroup, outcome: Outcome, seq: int,
         return encode({**header, "o": "discarded", "reason": outcome.reason})
     aside = {**header, "o": "aside", "hook": outcome.hook, "error": outcome.error, "tb": outcome.traceback}
     return encode(aside, [record.raw for record in group.records])
-
-
-def settings_dict(settings: TaskSettings) -> dict[str, Any]:
-    return asdict(settings)
