@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from buffer import encoding, export
@@ -123,8 +123,7 @@ class RolloutBuffer:
         if current:
             self._current_task = task_type
         if self._journal is not None:
-            header = {"e": "task", "t": task_type, "s": asdict(settings), "h": task.hooks_source}
-            self._journal.append(encode({**header, "current": current}))
+            self._journal.append(task.settings_record(current=current))
         return task
 
     def _next_seq(self) -> int:

@@ -246,17 +246,17 @@ class TaskBuffer:
 
     # -- snapshots -------------------------------------------------------------------
 
+    def settings_record(self, *, current: bool) -> bytes:
+        """The journal record of this task's settings and hooks (``current``: unlabelled
+        writes go to it), as a change and in a snapshot alike."""
+        header = {"e": "task", "t": self.task_type, "s": asdict(self.settings), "h": self.hooks_source}
+        return encode({**header, "current": current})
+
     def snapshot(self, wall_of: Callable[[float], float]) -> Callable[[], Iterator[bytes]]:
         """Copy what the state refers to now (call under the buffer's lock: O(groups), no
         encoding); the function returned encodes it as journal records, outside the lock.
         ``wall_of`` turns this buffer's clock into wall-clock time."""
-        task = {
-            "e": "task",
-            "t": self.task_type,
-            "s": asdict(self.settings),
-            "h": self.hooks_source,
-            "current": False,
-        }
+        task = self.settings_record(current=False)
         open_groups = [
             (g.instance_id, g.size, wall_of(g.last_write_s), list(g.records)) for g in self.open.values()
         ]
@@ -279,7 +279,7 @@ class TaskBuffer:
         }
 
         def records() -> Iterator[bytes]:
-            yield encode(task)
+            yield task
             for instance_id, size, last_write, group in open_groups:
                 header: dict[str, Any] = {
                     "e": "open",
