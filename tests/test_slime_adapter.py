@@ -199,7 +199,7 @@ def test_a_step_mixing_samples_with_and_without_log_probs_trains_with_tis(
 def test_without_a_flag_that_reads_them_a_mixed_step_drops_the_log_probs(
     args: SimpleNamespace, connect: Any
 ) -> None:
-    connect(FakeBuffer({"math": [[group("b", [1, 0]) + group("a", [0, 1], log_probs=True)]]}))
+    connect(FakeBuffer({"math": [[group("a", [0, 1], log_probs=True) + group("b", [1, 0])]]}))
     samples, train_data = step(args, RolloutDataSourceWithBuffer(args))
     assert "rollout_log_probs" not in train_data
     assert not any(s.remove_sample for s in samples)
