@@ -297,6 +297,16 @@ def _evaluate(args: Any, rollout_id: int, session: _Session) -> Any:
     metrics: dict[str, float] = {}
     for spec in eval_sets(args):
         rollout_name = f"eval-{spec.name}-{rollout_id}"
+        if getattr(args, "log_passrate", False) and spec.n != getattr(
+            args, "n_samples_per_eval_prompt", spec.n
+        ):
+            logger.warning(
+                "evaluation %s: %d samples per prompt, but slime computes pass@k over groups of "
+                "--n-samples-per-eval-prompt (%s)",
+                spec.name,
+                spec.n,
+                args.n_samples_per_eval_prompt,
+            )
         payload = _payload(args, input_file=spec.path, n=spec.n, num_epoch=1, sampling=spec.sampling)
         session.client.start_rollout(
             args.rollout_task_type, rollout_name=rollout_name, evaluation=True, restart=True, **payload

@@ -23,7 +23,8 @@ from slime.ray.rollout import generate
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.utils.types import Sample
 
-from buffer import slime_rollout
+import default_func
+from buffer import slime_rollout, slime_samples
 from buffer.client import BufferStats, JobInfo, RolloutBatch
 from buffer.samples import SampleConverter, TrainingSample
 from tests.chat_templates import QWEN25_TEMPLATE, QWEN_PLAIN, QWEN_SPECIAL, make_tokenizer, train_bpe
@@ -429,3 +430,7 @@ def test_the_eval_config_sets_each_data_sets_run(args: SimpleNamespace, connect:
         "chat_template_kwargs": {"enable_thinking": False},
     }
     assert output.data["hard"]["rewards"] == [1, 0, 1]
+
+
+def test_a_failed_trajectory_is_told_by_the_reward_generators_write() -> None:
+    assert slime_samples.FAILURE_REWARD == default_func.FAILURE_REWARD
