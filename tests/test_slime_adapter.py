@@ -43,6 +43,7 @@ class FakeBuffer:
         self.starts: list[dict[str, Any]] = []
         self.queues: dict[str, list[list[dict[str, Any]]]] = {}
         self.job_list: list[JobInfo] = []
+        self.late: dict[str, list[list[dict[str, Any]]]] = {}
 
     def start_rollout(self, task_type: str, *, restart: bool = False, **payload: Any) -> None:
         name = payload.get("rollout_name") or task_type
@@ -71,7 +72,13 @@ class FakeBuffer:
         return self.job_list
 
     def stats(self) -> BufferStats:
-        return BufferStats()
+        """Groups still open after the job ended (``late``) show as pending, then become ready."""
+        tasks = {}
+        for name, batches in self.late.items():
+            if batches:
+                self.queues.setdefault(name, []).append(batches.pop(0))
+                tasks[name] = {"pending_groups": 1}
+        return BufferStats(tasks=tasks)
 
     def close(self) -> None:
         pass
@@ -290,6 +297,14 @@ def test_when_the_pass_over_the_data_ends_another_starts(args: SimpleNamespace, 
     assert len(output.samples) == 3
     assert output.metrics["rollout_buffer/epochs_started"] == 1
     assert [start["skip_instance_ids"] for start in buffer.starts] == [[], []]
+
+
+def test_groups_still_open_when_the_job_ends_are_waited_for(args: SimpleNamespace, connect: Any) -> None:
+    buffer = connect(FakeBuffer({"math": [[group("a", [0, 1])]]}))
+    buffer.late = {"math": [group("b", [1, 0])]}  # timed out after the generator finished
+    output = slime_rollout.generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert [g[0].metadata["instance_id"] for g in output.samples] == ["a", "b"]
+    assert len(buffer.starts) == 1
 
 
 def test_the_passes_asked_for_cover_num_rollout(args: SimpleNamespace, connect: Any) -> None:
