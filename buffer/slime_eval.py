@@ -15,6 +15,7 @@ no whole group is left out of the output, said in the log and the metrics.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,12 +69,23 @@ def eval_sets(args: Any) -> list[EvalSet]:
     return [_from_flags(args, name, path) for name, path in zip(pairs[::2], pairs[1::2], strict=True)]
 
 
+def template_kwargs(value: Any) -> dict[str, Any]:
+    """``--apply-chat-template-kwargs``: a dict once slime has parsed it, JSON text before."""
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else {}
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"--apply-chat-template-kwargs: expected a JSON object, got {value!r}")
+    return dict(value)
+
+
 def _first(*values: Any) -> Any:
     return next((value for value in values if value is not None), None)
 
 
 def _from_flags(args: Any, name: str, path: str) -> EvalSet:
-    kwargs = getattr(args, "apply_chat_template_kwargs", None) or {}
+    kwargs = template_kwargs(getattr(args, "apply_chat_template_kwargs", None))
     return EvalSet(
         name=name,
         path=path,
@@ -93,7 +105,8 @@ def _from_flags(args: Any, name: str, path: str) -> EvalSet:
 def _from_config(args: Any, config: Any) -> EvalSet:
     """An ``EvalDatasetConfig``: slime has already filled its fields from the flags."""
     base = _from_flags(args, config.name, config.path)
-    kwargs = _first(getattr(config, "apply_chat_template_kwargs", None), base.chat_template_kwargs) or {}
+    own = getattr(config, "apply_chat_template_kwargs", None)
+    kwargs = base.chat_template_kwargs if own is None else template_kwargs(own)
     return EvalSet(
         name=config.name,
         path=config.path,

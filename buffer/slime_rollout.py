@@ -42,7 +42,7 @@ from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 
 from buffer.client import RolloutBufferClient
 from buffer.samples import SampleConverter
-from buffer.slime_eval import eval_output, eval_sets, sampling_params
+from buffer.slime_eval import eval_output, eval_sets, sampling_params, template_kwargs
 from buffer.slime_samples import (
     Converted,
     RolloutLogProbsMissing,
@@ -194,7 +194,7 @@ def _train_payload(args: Any) -> dict[str, Any]:
         top_p=getattr(args, "rollout_top_p", 1.0),
         top_k=getattr(args, "rollout_top_k", None),
         stop=getattr(args, "rollout_stop", None),
-        chat_template_kwargs=getattr(args, "apply_chat_template_kwargs", None),
+        chat_template_kwargs=template_kwargs(getattr(args, "apply_chat_template_kwargs", None)),
     )
     return _payload(
         args,
@@ -233,7 +233,7 @@ def _fetch(args: Any, rollout_id: int, data_source: Any, session: _Session, coun
     """Read until the data source holds ``rollout_batch_size`` groups; each group read is put
     there at once (converted), and the finished instance ids recorded."""
     n = args.n_samples_per_prompt
-    converter = session.converter(getattr(args, "apply_chat_template_kwargs", None))
+    converter = session.converter(template_kwargs(getattr(args, "apply_chat_template_kwargs", None)))
     patience = getattr(args, "fetch_trajectory_retry_times", -1)
     waited = 0
     while (held := data_source.get_buffer_length()) < args.rollout_batch_size:

@@ -8,6 +8,9 @@ here keeps one of those steps from failing or training on the wrong thing:
   ``--advantage-estimator`` without ``--disable-rewards-normalization``), the buffer's
   task-normalised reward otherwise: normalised once either way. ``metadata["raw_reward"]``
   is always the raw one (slime logs it).
+- ``metadata`` is the trajectory's ``extra_info`` with its ``uid``, ``instance_id``,
+  ``raw_reward`` and ``round_number`` (assistant turns) on every sample: slime reads a key
+  off every sample once the first has it.
 - ``index`` counts trajectories in this process (instance ids may be strings; the id is in
   ``metadata["instance_id"]``), ``group_index`` counts groups, and ``rollout_id`` is the
   trajectory's ``index``: the siblings of a trajectory that branched share all three.
@@ -166,6 +169,8 @@ def to_sample(
         "uid": item.get("uid"),
         "instance_id": item.get("instance_id"),
         "raw_reward": item.get("raw_reward", item.get("reward")),
+        # slime reads it off every sample once the first has it (its multi-turn metrics)
+        "round_number": _rounds(item),
     }
     sample = Sample(
         group_index=group_index,
@@ -323,6 +328,12 @@ def _prompt(item: Mapping[str, Any]) -> list[dict[str, Any]]:
             break
         prompt.append(dict(message))
     return prompt
+
+
+def _rounds(item: Mapping[str, Any]) -> int:
+    """The assistant turns of the trajectory (as slime's rollout-buffer generators count them)."""
+    messages = item.get("messages") or []
+    return sum(1 for m in messages if isinstance(m, Mapping) and m.get("role") == "assistant")
 
 
 def _response(item: Mapping[str, Any]) -> str:

@@ -224,6 +224,17 @@ def test_tis_on_a_step_without_any_log_probs_says_why_and_keeps_the_groups(
     assert source.get_buffer_length() == 2
 
 
+def test_a_key_some_trajectories_carry_in_extra_info_is_on_every_sample(
+    args: SimpleNamespace, connect: Any
+) -> None:
+    first = group("a", [0, 1])
+    for item in first:
+        item["extra_info"]["round_number"] = 1  # slime's own generators count the turns
+    connect(FakeBuffer({"math": [[first + group("b", [1, 0])]]}))
+    _, train_data = step(args, RolloutDataSourceWithBuffer(args))
+    assert train_data["round_number"] == [1, 1, 1, 1]
+
+
 def test_a_top_p_below_one_is_refused_before_anything_runs(args: SimpleNamespace, connect: Any) -> None:
     args.rollout_top_p = 0.9
     buffer = connect(FakeBuffer({"math": [[group("a", [0, 1]) + group("b", [1, 0])]]}))
@@ -329,7 +340,7 @@ def test_chat_template_kwargs_reach_the_engine_and_the_conversion(
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     greeting = make_tokenizer(train_bpe(), marker_template, QWEN_SPECIAL, eos="<|im_end|>")
-    args.apply_chat_template_kwargs = {"greeting": "Hello there"}
+    args.apply_chat_template_kwargs = '{"greeting": "Hello there"}'  # as slime's parser leaves it
     args.rollout_batch_size = 1
     buffer = connect(FakeBuffer({"math": [[group("a", [0, 1])]]}), greeting)
     (sample, _), *_ = slime_rollout.generate_rollout(args, 0, RolloutDataSourceWithBuffer(args)).samples
