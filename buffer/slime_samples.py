@@ -27,7 +27,8 @@ here keeps one of those steps from failing or training on the wrong thing:
   or ``--get-mismatch-metrics`` reads them, a sample without them (text only) stays in its
   group for the baseline but is removed from the loss, with 0.0 log probs; a step where no
   sample has them is a configuration error, said at once. When nothing reads them, a mixed
-  step drops them all rather than log a mismatch against made-up values.
+  step drops them all rather than log a mismatch against made-up values. A sample already
+  removed from the loss (a refused one) gets 0.0 and never forces either choice.
 """
 
 from __future__ import annotations
@@ -210,10 +211,16 @@ def _placeholder(c: Converted, template: TrainingSample, group_index: int, index
 def finish_step(args: Any, groups: list[list[Entry]], counts: StepCounts) -> list[list[Entry]]:
     """The step's groups as slime's trainer takes them: one nesting depth throughout, and
     ``rollout_log_probs`` on every sample or on none (see the module's docstring)."""
-    if any(isinstance(entry, list) for group in groups for entry in group):
+    nested = any(isinstance(entry, list) for group in groups for entry in group)
+    if nested:
         groups = [[entry if isinstance(entry, list) else [entry] for entry in group] for group in groups]
     samples = list(flatten(groups))
     have = [sample for sample in samples if sample.rollout_log_probs is not None]
+    if have:  # a removed sample's log probs are never read: zeros never force a choice
+        for sample in samples:
+            if sample.rollout_log_probs is None and sample.remove_sample:
+                sample.rollout_log_probs = [0.0] * sample.response_length
+    lacking = [sample for sample in samples if sample.rollout_log_probs is None]
     if needs_rollout_log_probs(args):
         if not have:
             flags = ", ".join(
@@ -224,30 +231,29 @@ def finish_step(args: Any, groups: list[list[Entry]], counts: StepCounts) -> lis
                 "the task's generator writes text only. Record the engine's tokens (the trajectory's turns) "
                 f"or run without {flags}."
             )
-        for sample in samples:
-            if sample.rollout_log_probs is None:
-                sample.rollout_log_probs = [0.0] * sample.response_length
-                if not sample.remove_sample:
-                    counts.removed_without_log_probs += 1
-                sample.remove_sample = True
-        if counts.removed_without_log_probs:
+        for sample in lacking:
+            sample.rollout_log_probs = [0.0] * sample.response_length
+            sample.remove_sample = True
+        counts.removed_without_log_probs = len(lacking)
+        if lacking:
             logger.warning(
                 "%d samples have no rollout log probs (text only): kept in their groups, not trained on",
-                counts.removed_without_log_probs,
+                len(lacking),
             )
-    elif have and len(have) < len(samples):
-        for sample in have:
+    elif have and lacking:
+        for sample in samples:
             sample.rollout_log_probs = None
         counts.dropped_log_probs = len(have)
         logger.info(
-            "dropped the rollout log probs of %d samples: the step's other samples have none", len(have)
+            "dropped the rollout log probs of %d samples: %d of the step's samples have none",
+            len(have),
+            len(lacking),
         )
-    if counts.branched_trajectories and slime_normalises_rewards(args) and not _ours(args):
+    if nested and slime_normalises_rewards(args) and not _ours(args):
         logger.warning(
-            "%d trajectories branched into several samples, so slime's reward normalisation cannot "
+            "trajectories branched into several samples, so slime's reward normalisation cannot "
             "reshape by n_samples_per_prompt; use --custom-reward-post-process-path "
-            "buffer.slime_rollout.normalize_rewards_by_group",
-            counts.branched_trajectories,
+            "buffer.slime_rollout.normalize_rewards_by_group"
         )
     return groups
 

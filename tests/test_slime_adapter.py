@@ -301,6 +301,15 @@ def test_a_refused_trajectory_goes_through_slimes_trainer_checks(args: SimpleNam
     assert len(train_data["rollout_log_probs"][1]) == samples[1].response_length
 
 
+def test_a_refused_trajectory_does_not_cost_its_siblings_their_log_probs(
+    args: SimpleNamespace, connect: Any
+) -> None:
+    connect(FakeBuffer({"math": [[[*group("a", [0, 1], log_probs=True)[:1], refused("a", 1, 0.5)]]]}))
+    args.rollout_batch_size = 1
+    _, train_data = step(args, RolloutDataSourceWithBuffer(args))
+    assert train_data["rollout_log_probs"][0] == (-0.5, -0.25, -0.125)
+
+
 def test_when_the_pass_over_the_data_ends_another_starts(args: SimpleNamespace, connect: Any) -> None:
     args.rollout_batch_size = 3
     buffer = connect(FakeBuffer({"math": [[group("a", [0, 1])], [group("a", [1, 0]) + group("b", [0, 1])]]}))
