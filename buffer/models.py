@@ -11,6 +11,8 @@ trajectories that have turns, and name the field as pydantic would.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -42,7 +44,12 @@ FiniteNumber = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 InstanceId = Annotated[StrictStr, Field(min_length=1)] | Annotated[Int64, Strict()]
 Ratio = Annotated[float, Field(ge=0, le=1)]
 #: A token id as engines use them: a non-negative 32-bit integer (the trainer's tensors are int32 or int64).
-TokenId = Annotated[int, Strict(), Field(ge=0, lt=2**31)]
+#: The range is checked after the single pass, a list at a time (`_first_bad_id`): pydantic's per-item
+#: bounds cost more than parsing the ids (60 us against 23 us for 1,200 ids).
+TokenId = Annotated[int, Strict()]
+TOKEN_ID_LIMIT = 2**31
+_HIGH_BYTE = 3 if sys.byteorder == "little" else 0
+_BELOW_128 = bytes(range(128))
 Count = Annotated[int, Strict(), Field(ge=0, le=INT64_MAX)]
 
 # Trajectories are TypedDicts, not models: pydantic validates them straight from the request
@@ -154,6 +161,11 @@ def turn_errors(
     last_index = -1
     for n, turn in enumerate(turns):
         output_ids = turn["output_ids"]
+        for name in ("prompt_ids", "output_ids"):
+            ids = turn[name]
+            at = _first_bad_id(ids)
+            if at is not None:
+                errors.append((("turns", n, name, at), f"is {ids[at]}: a token id is in [0, 2**31)", ids[at]))
         logprobs = turn.get("output_logprobs")
         if logprobs is not None and len(logprobs) != len(output_ids):
             errors.append(
@@ -204,6 +216,22 @@ def turn_errors(
         last_index = max(last_index, index)
         available = min(offset, available) + len(turn["prompt_ids"]) + len(output_ids)
     return errors
+
+
+def _first_bad_id(ids: list[int]) -> int | None:
+    """The index of the first id outside [0, 2**31), if any.
+
+    Packed as C unsigned ints (which refuses negative and too large values), then the high byte of each
+    read at once: a tenth of the time of ``min``/``max`` over the list, which matters at thousands of ids.
+    """
+    try:
+        packed = array("I", ids)
+    except OverflowError:  # a negative id, or one of 2**32 or more
+        pass
+    else:
+        if packed.itemsize == 4 and not packed.tobytes()[_HIGH_BYTE::4].translate(None, _BELOW_128):
+            return None  # no high byte of 128 or more: every id is below 2**31
+    return next((i for i, value in enumerate(ids) if not 0 <= value < TOKEN_ID_LIMIT), None)
 
 
 CheckedTrajectory = Annotated[Trajectory, AfterValidator(_turns_agree)]

@@ -105,15 +105,15 @@ def refusals() -> Iterator[tuple[str, dict[str, Any], str, str]]:
     yield "a boolean id", with_turn(item, 0, output_ids=[True, 1, 2]), "turns.0.output_ids.0", "valid integer"
     yield (
         "a negative id",
-        with_turn(item, 0, prompt_ids=[-1]),
-        "turns.0.prompt_ids.0",
-        "greater than or equal to 0",
+        with_turn(item, 0, prompt_ids=[151644, -1, 198, 0, 1]),
+        "turns.0.prompt_ids.1",
+        "is -1: a token id is in [0, 2**31)",
     )
     yield (
         "an id too large",
-        with_turn(item, 1, output_ids=[2**31, 1, 2, 3]),
-        "turns.1.output_ids.0",
-        "less than",
+        with_turn(item, 1, output_ids=[1, 2, 2**31, 3]),
+        "turns.1.output_ids.2",
+        "is 2147483648: a token id is in [0, 2**31)",
     )
     yield (
         "a logprob that is a string",
