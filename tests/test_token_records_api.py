@@ -17,6 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from buffer.app import create_app
+from buffer.samples import samples_from_turns
 from buffer.settings import Settings
 from tests.calls import read, write_all
 from tests.factories import trajectory
@@ -326,3 +327,16 @@ def test_a_generator_written_trajectory_with_records_is_read_by_slimes_reader(
     data = response.json()["data"]
     items = data["data"] if isinstance(data, dict) else data
     assert by_uid(items) == by_uid(written)
+
+
+def test_what_a_trainer_reads_converts_to_the_ids_the_engine_saw(client: TestClient) -> None:
+    written = [recorded("q1", reward) for reward in (0.0, 1.0, 0.5, 0.25)]
+    write_all(client, written)
+    for item in read(client)["data"]["data"]:
+        (sample,) = samples_from_turns(item, reward=item["reward"], raw_reward=item.get("raw_reward", 0.0))
+        first, second = item["turns"]
+        held = first["prompt_ids"] + first["output_ids"]
+        assert sample.tokens == held + second["prompt_ids"] + second["output_ids"]
+        assert sample.loss_mask == [1] * 3 + [0] * 4 + [1] * 4
+        assert sample.rollout_log_probs == first["output_logprobs"] + [0.0] * 4 + second["output_logprobs"]
+        assert sample.weight_versions == ["7", 7]
