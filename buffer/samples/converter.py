@@ -1,17 +1,21 @@
 """Trajectories to training samples: `SampleConverter` and its one-off form `to_training_sample`.
 
-Two paths, chosen per trajectory:
+Three paths, chosen per trajectory:
 
-- token in, token out: a single-turn trajectory whose ``extra_info`` carries the engine's
-  ``prompt_token_ids`` and ``token_ids`` is used as generated, without re-tokenising; its ``logprobs``
+- token records: a trajectory with ``turns`` (what the engine received and sampled, per policy
+  request) is built from them alone (`buffer.samples.turns`): nothing is re-tokenised, and its
+  logprobs become ``rollout_log_probs``. A turn whose prompt does not extend the previous one's starts
+  a new branch: one sample per branch (``convert_all``).
+- token in, token out (the older single-turn form): a single-turn trajectory whose ``extra_info``
+  carries the engine's ``prompt_token_ids`` and ``token_ids`` is used as generated; its ``logprobs``
   become ``rollout_log_probs``.
-- re-tokenise: anything else (multi-turn trajectories, or ones without token ids) is rendered whole
+- re-tokenise: anything else (text only: slime's own generators) is rendered whole
   by the tokenizer's chat template, so ``tokens`` is exactly ``apply_chat_template(messages, tools=tools)``,
   and the loss mask is read off the rendered text (`buffer.samples.masking`). Per-turn token ids of a
-  multi-turn trajectory are not spliced together: the tokens between the turns (tool results, user turns,
-  headers) would have to be tokenised on their own, which need not match tokenising the conversation, and
-  templates that rewrite earlier turns make the turns as generated differ from the conversation trained on.
-  Their log probabilities are dropped for the same reason.
+  multi-turn trajectory in ``extra_info`` are not spliced together: the tokens between the turns (tool
+  results, user turns, headers) would have to be tokenised on their own, which need not match tokenising
+  the conversation, and templates that rewrite earlier turns make the turns as generated differ from the
+  conversation trained on. Their log probabilities are dropped for the same reason.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from buffer.samples import masking
+from buffer.samples import masking, turns
 from buffer.samples.sample import SampleConversionError, TrainingSample, sample_status
 from buffer.samples.template import (
     ChatTemplateAnalysis,
@@ -47,13 +51,35 @@ class SampleConverter:
         self._offsets_warned = False
 
     def convert_many(self, trajectories: Iterable[Mapping[str, Any]]) -> list[TrainingSample]:
+        """One sample per trajectory (`convert`): a trajectory with several branches is refused."""
         return [self.convert(trajectory) for trajectory in trajectories]
 
     def convert(self, trajectory: Mapping[str, Any]) -> TrainingSample:
+        """The trajectory's one sample; `SampleConversionError` if its turns make several branches."""
+        samples = self.convert_all(trajectory)
+        if len(samples) != 1:
+            raise SampleConversionError(
+                f"trajectory {trajectory.get('uid')!r}: its turns make {len(samples)} branches (starting "
+                f"at turns {', '.join(str(s.metadata.get('first_turn')) for s in samples)}): a turn's prompt "
+                "does not extend what the turns before it hold; convert_all returns one sample per branch"
+            )
+        return samples[0]
+
+    def convert_all(self, trajectory: Mapping[str, Any]) -> list[TrainingSample]:
+        """Every sample of the trajectory: one, or one per branch of its token records."""
         try:
-            return self._convert(trajectory)
+            if trajectory.get("turns"):
+                return self._convert_turns(trajectory)
+            return [self._convert(trajectory)]
         except SampleConversionError as exc:
             raise SampleConversionError(f"trajectory {trajectory.get('uid')!r}: {exc}") from exc
+
+    def _convert_turns(self, trajectory: Mapping[str, Any]) -> list[TrainingSample]:
+        reward = _number(trajectory.get("reward"), "reward")
+        raw = trajectory.get("raw_reward")
+        return turns.samples_from_turns(
+            trajectory, reward, reward if raw is None else _number(raw, "raw_reward")
+        )
 
     def _convert(self, trajectory: Mapping[str, Any]) -> TrainingSample:
         messages = trajectory.get("messages")
@@ -96,6 +122,7 @@ class SampleConverter:
             rollout_log_probs=log_probs,
             uid=trajectory.get("uid"),
             instance_id=trajectory.get("instance_id"),
+            tools=_tools(trajectory),
         )
 
     def _tokenise(
@@ -159,6 +186,11 @@ def _number(value: object, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SampleConversionError(f"{field}: expected a number, got {value!r}")
     return float(value)
+
+
+def _tools(trajectory: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    tools = trajectory.get("tools")
+    return tools if isinstance(tools, list) else None
 
 
 def _per_turn(value: object) -> list[list[Any]] | None:
