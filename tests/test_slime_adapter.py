@@ -26,7 +26,6 @@ from slime.utils.types import Sample
 import default_func
 from buffer import slime_rollout, slime_samples
 from buffer.client import BufferStats, JobInfo, RolloutBatch
-from buffer.samples import SampleConverter, TrainingSample
 from tests.chat_templates import QWEN25_TEMPLATE, QWEN_PLAIN, QWEN_SPECIAL, make_tokenizer, train_bpe
 
 
@@ -357,41 +356,53 @@ def test_chat_template_kwargs_reach_the_engine_and_the_conversion(
     assert "Hello there What is 0 + 3?" in greeting.decode(sample.tokens)
 
 
-class Branching(SampleConverter):
-    """A converter that splits the trajectories whose uid ends in -1 in two branches."""
+def branched(item: dict[str, Any]) -> dict[str, Any]:
+    """``item`` with token records of two turns, the second of which does not extend the first
+    (a template that rewrote history): the converter makes one sample per branch."""
+    item["messages"] = [
+        {"role": "user", "content": "What is 1 + 3?"},
+        {"role": "assistant", "content": "Let me think.", "generated": True},
+        {"role": "user", "content": "Go on."},
+        {"role": "assistant", "content": "It is 4.", "generated": True},
+    ]
+    item["turns"] = [
+        {
+            "prompt_ids": [5, 6],
+            "output_ids": [7, 8],
+            "output_logprobs": [-0.5, -0.5],
+            "finish_reason": "stop",
+            "message_index": 1,
+            "weight_version": 3,
+        },
+        {
+            "prompt_ids": [5, 9, 10],
+            "output_ids": [11],
+            "output_logprobs": [-0.25],
+            "finish_reason": "stop",
+            "message_index": 3,
+            "weight_version": 4,
+        },
+    ]
+    return item
 
-    def convert_all(self, trajectory: dict[str, Any]) -> list[TrainingSample]:
-        sample = self.convert(trajectory)
-        if not str(trajectory["uid"]).endswith("-1"):
-            return [sample]
-        first = TrainingSample(
-            **{**{f: getattr(sample, f) for f in sample.__slots__}, "weight_versions": [3]}
-        )
-        return [first, sample]
 
-
-def test_a_branched_trajectory_is_one_entry_of_its_group(
-    args: SimpleNamespace, connect: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if "weight_versions" not in TrainingSample.__slots__:
-        monkeypatch.setattr(Branching, "convert_all", _without_versions)
-    monkeypatch.setattr(slime_rollout, "SampleConverter", Branching)
+def test_a_branched_trajectory_is_one_entry_of_its_group(args: SimpleNamespace, connect: Any) -> None:
     args.custom_reward_post_process_path = "buffer.slime_rollout.normalize_rewards_by_group"
-    connect(FakeBuffer({"math": [[group("a", [0, 1]) + group("b", [1, 1])]]}))
+    a = group("a", [0, 1])
+    a[1] = branched(a[1])
+    connect(FakeBuffer({"math": [[a + group("b", [1, 1])]]}))
     source = RolloutDataSourceWithBuffer(args)
     output = slime_rollout.generate_rollout(args, 0, source)
     (a0, a1), (b0, b1) = output.samples
-    assert [len(a0), len(a1), len(b0), len(b1)] == [1, 2, 1, 2]
+    assert [len(a0), len(a1), len(b0), len(b1)] == [1, 2, 1, 1]
+    assert [s.tokens for s in a1] == [[5, 6, 7, 8], [5, 9, 10, 11]]
+    assert [s.weight_versions for s in a1] == [["3"], ["4"]]
     assert {s.rollout_id for s in a1} == {1}
-    assert output.metrics["rollout_buffer/branched_trajectories"] == 2
+    assert output.metrics["rollout_buffer/branched_trajectories"] == 1
     _, train_data = generate(args, lambda *a, **k: output, 0, source)
-    # Per group, each trajectory once: a's two trajectories are -0.707 and +0.707, b's are equal.
-    assert train_data["rewards"] == pytest.approx([-0.7071, 0.7071, 0.7071, 0, 0, 0], abs=1e-3)
-
-
-def _without_versions(self: Branching, trajectory: dict[str, Any]) -> list[TrainingSample]:
-    sample = self.convert(trajectory)
-    return [sample, sample] if str(trajectory["uid"]).endswith("-1") else [sample]
+    # Per group, each trajectory once: a's two trajectories are -0.707 and +0.707 (both of a1's
+    # branches carry its reward), b's are equal.
+    assert train_data["rewards"] == pytest.approx([-0.7071, 0.7071, 0.7071, 0, 0], abs=1e-3)
 
 
 def eval_items(name: str, rewards: list[list[float]]) -> list[list[dict[str, Any]]]:
