@@ -9,6 +9,12 @@ and shutdown cancels and awaits what is still running.
 Python cannot stop a thread, so cancelling a sync generator is cooperative: the job turns
 ``cancelled`` at once, and the generator can see ``current_job().cancel_requested`` and
 return. An async generator is cancelled outright.
+
+With a data folder, the jobs running when the service stops run again after its restart
+(``resume``), each given in ``data["resume"]`` what it had produced (the buffer's
+``resume_point``) so it makes only what is missing. A job that was running at
+``MAX_CRASHES`` stops in a row without a clean shutdown (a generator that kills the process,
+or exhausts its memory) is not resumed again: it is listed as failed, with the reason.
 """
 
 from __future__ import annotations
@@ -29,12 +35,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from buffer.errors import UnknownJob
-from buffer.registry import Generator, where
+from buffer.registry import Generator, GeneratorRegistry, where
 from buffer.rollout_buffer import RolloutBuffer
 
 logger = logging.getLogger(__name__)
 
 CANCEL_WAIT_S = 5.0  # how long a cancel waits for an async generator to stop
+#: A job running at this many crashes of the service in a row is not resumed again.
+MAX_CRASHES = 2
 
 _current_job: contextvars.ContextVar[Job | None] = contextvars.ContextVar("current_job", default=None)
 
@@ -109,10 +117,63 @@ class JobManager:
         """Run ``generator.run_rollout(data)`` in the background, as the buffer task ``name``
         (default: the generator's task type). Call on the event loop."""
         task_type = name or generator.task_type
+        job = self._new_job(task_type, str(generator.path), data)
+        self._buffer.job_started(task_type, generator.task_type, data)
+        self._launch(job, generator)
+        logger.info("%s: started %s (%s)", job.id, task_type, generator.path)
+        return job
+
+    async def resume(self, registry: GeneratorRegistry, *, enabled: bool = True) -> list[Job]:
+        """Start again the jobs the buffer restored as running (``enabled``; else forget them),
+        each to make only what its earlier runs did not; fail those caught in a crash loop.
+
+        Each resume is on disk before its generator runs: one that kills the process at once
+        still counts as a crash."""
+        jobs: list[Job] = []
+        launches: list[tuple[Job, Generator]] = []
+        for task_type, spec in list(self._buffer.jobs.items()):
+            generator = registry.generators.get(spec["generator"])
+            if not enabled or generator is None:
+                if enabled:
+                    logger.error("not resuming %s: no generator %r now", task_type, spec["generator"])
+                self._buffer.job_ended(task_type)
+                continue
+            crashes = self._buffer.crashes_if_resumed(task_type)
+            if crashes >= MAX_CRASHES:
+                jobs.append(self._crash_looped(task_type, generator, spec["data"], crashes))
+                continue
+            self._buffer.job_resumed(task_type, crashes)
+            data = {**spec["data"], "resume": self._buffer.resume_point(task_type)}
+            job = self._new_job(task_type, str(generator.path), data)
+            launches.append((job, generator))
+            jobs.append(job)
+            logger.info(
+                "%s: resuming the %s rollout that was running when the service %s",
+                job.id,
+                task_type,
+                "crashed" if crashes else "stopped",
+            )
+        await self._buffer.wait_durable()
+        for job, generator in launches:
+            self._launch(job, generator)
+        return jobs
+
+    def _crash_looped(self, task_type: str, generator: Generator, data: dict[str, Any], crashes: int) -> Job:
+        job = self._new_job(task_type, str(generator.path), data)
+        reason = (
+            f"not resumed: the service stopped without shutting down {crashes} times in a row while "
+            "this job ran (a generator that kills the process or exhausts its memory?); "
+            "/start_rollout starts it again"
+        )
+        self._finish(job, JobStatus.FAILED, reason)
+        logger.error("%s: %s rollout %s", job.id, task_type, reason)
+        return job
+
+    def _new_job(self, task_type: str, generator_file: str, data: dict[str, Any]) -> Job:
         job = Job(
             id=f"job-{next(self._ids)}",
             task_type=task_type,
-            generator_file=str(generator.path),
+            generator_file=generator_file,
             data=data,
             written_at_start=self._buffer.written(task_type),
             buffer=self._buffer,
@@ -120,10 +181,10 @@ class JobManager:
         )
         self._jobs[job.id] = job
         self._forget_old()
-        self._buffer.job_started(task_type, generator.task_type, data)
-        job._task = asyncio.get_running_loop().create_task(self._run(job, generator), name=job.id)
-        logger.info("%s: started %s (%s)", job.id, task_type, generator.path)
         return job
+
+    def _launch(self, job: Job, generator: Generator) -> None:
+        job._task = asyncio.get_running_loop().create_task(self._run(job, generator), name=job.id)
 
     async def _run(self, job: Job, generator: Generator) -> None:
         token = _current_job.set(job)
@@ -204,9 +265,11 @@ class JobManager:
         return job
 
     async def shutdown(self) -> None:
+        """Stop every job; each runs again after a restart, and this stop is no crash."""
         self._stopping = True
         for job in list(self._jobs.values()):
             if not job.done:
+                self._buffer.job_paused(job.task_type)
                 await self.cancel(job.id)
 
 
