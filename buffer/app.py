@@ -19,6 +19,7 @@ from starlette.responses import Response
 from buffer import __version__
 from buffer.errors import RolloutBufferError
 from buffer.history import History
+from buffer.job_policy import JobPolicy
 from buffer.jobs import JobManager
 from buffer.journal import Journal
 from buffer.logs import RequestIdMiddleware
@@ -51,7 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         journal = None if settings.data_dir is None else await asyncio.to_thread(_restore, buffer, settings)
         ready = ReadySignal()
         buffer.add_listener(ready.notify)
-        job_manager = JobManager(buffer, local_url(settings))
+        job_manager = JobManager(buffer, local_url(settings), policy=JobPolicy.from_settings(settings))
         if journal is not None:
             await job_manager.resume(registry, enabled=settings.resume_jobs)
         history = History()

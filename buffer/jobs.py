@@ -32,9 +32,11 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from buffer.errors import UnknownJob
+from buffer.errors import InvalidInput, UnknownJob
+from buffer.job_policy import JobPolicy
 from buffer.registry import Generator, GeneratorRegistry, where
 from buffer.rollout_buffer import RolloutBuffer
 
@@ -69,6 +71,8 @@ class Job:
     #: The service's buffer and address: a generator in this process writes to it directly.
     buffer: RolloutBuffer | None = field(default=None, repr=False)
     buffer_url: str | None = None
+    #: What it may read and call; the service's API key goes only where this allows.
+    policy: JobPolicy | None = field(default=None, repr=False)
     status: JobStatus = JobStatus.RUNNING
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
@@ -105,17 +109,25 @@ class Job:
 
 
 class JobManager:
-    def __init__(self, buffer: RolloutBuffer, buffer_url: str, keep: int = 1000) -> None:
+    def __init__(
+        self, buffer: RolloutBuffer, buffer_url: str, keep: int = 1000, *, policy: JobPolicy | None = None
+    ) -> None:
         self._buffer = buffer
         self._buffer_url = buffer_url
+        self.policy = policy or JobPolicy(input_roots=(Path.cwd(),))
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._ids = itertools.count(1)
         self._keep = keep
         self._stopping = False
 
+    async def check(self, data: dict[str, Any]) -> dict[str, Any]:
+        """``data`` as a job may run it (``JobPolicy.check``): call before ``start``."""
+        return await self.policy.check(data, self._buffer_url)
+
     def start(self, generator: Generator, data: dict[str, Any], *, name: str | None = None) -> Job:
         """Run ``generator.run_rollout(data)`` in the background, as the buffer task ``name``
-        (default: the generator's task type). Call on the event loop."""
+        (default: the generator's task type), ``data`` as ``check`` returned it. Call on the
+        event loop."""
         task_type = name or generator.task_type
         job = self._new_job(task_type, str(generator.path), data)
         self._buffer.job_started(task_type, generator.task_type, data)
@@ -140,10 +152,19 @@ class JobManager:
                 continue
             crashes = self._buffer.crashes_if_resumed(task_type)
             if crashes >= MAX_CRASHES:
-                jobs.append(self._crash_looped(task_type, generator, spec["data"], crashes))
+                reason = (
+                    f"the service stopped without shutting down {crashes} times in a row while this "
+                    "job ran (a generator that kills the process or exhausts its memory?)"
+                )
+                jobs.append(self._not_resumed(task_type, generator, spec["data"], reason))
+                continue
+            try:
+                data = await self.check(spec["data"])
+            except InvalidInput as exc:  # the policy changed since it started
+                jobs.append(self._not_resumed(task_type, generator, spec["data"], exc.message))
                 continue
             self._buffer.job_resumed(task_type, crashes)
-            data = {**spec["data"], "resume": self._buffer.resume_point(task_type)}
+            data["resume"] = self._buffer.resume_point(task_type)
             job = self._new_job(task_type, str(generator.path), data)
             launches.append((job, generator))
             jobs.append(job)
@@ -158,13 +179,9 @@ class JobManager:
             self._launch(job, generator)
         return jobs
 
-    def _crash_looped(self, task_type: str, generator: Generator, data: dict[str, Any], crashes: int) -> Job:
+    def _not_resumed(self, task_type: str, generator: Generator, data: dict[str, Any], why: str) -> Job:
         job = self._new_job(task_type, str(generator.path), data)
-        reason = (
-            f"not resumed: the service stopped without shutting down {crashes} times in a row while "
-            "this job ran (a generator that kills the process or exhausts its memory?); "
-            "/start_rollout starts it again"
-        )
+        reason = f"not resumed: {why}; /start_rollout starts it again"
         self._finish(job, JobStatus.FAILED, reason)
         logger.error("%s: %s rollout %s", job.id, task_type, reason)
         return job
@@ -178,6 +195,7 @@ class JobManager:
             written_at_start=self._buffer.written(task_type),
             buffer=self._buffer,
             buffer_url=self._buffer_url,
+            policy=self.policy,
         )
         self._jobs[job.id] = job
         self._forget_old()
