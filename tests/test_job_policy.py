@@ -12,7 +12,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from buffer.job_policy import JobPolicy
-from buffer.jobs import Job, _current_job
+from buffer.jobs import Job, JobManager, JobStatus, _current_job
+from buffer.registry import GeneratorRegistry
+from buffer.rollout_buffer import RolloutBuffer
+from buffer.settings import Settings
 from buffer.toolkit.sink import HttpSink, open_sink
 
 # Writes the data it was started with to data["out"].
@@ -152,3 +155,33 @@ async def test_the_service_key_is_not_sent_to_a_buffer_the_client_chose(
     finally:
         _current_job.reset(token)
     assert os.environ["ROLLOUT_BUFFER_API_KEY"] == "service-secret"
+
+
+def test_an_open_engine_policy_is_warned_about_only_beyond_loopback(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    for host, hosts, warned in [
+        ("0.0.0.0", None, True),
+        ("127.0.0.1", None, False),
+        ("localhost", None, False),
+        ("0.0.0.0", ["engine.internal"], False),
+    ]:
+        caplog.clear()
+        JobPolicy.from_settings(Settings(host=host, allowed_engine_hosts=hosts, generator_dir=tmp_path))
+        assert ("--allowed-engine-hosts" in caplog.text) is warned, host
+
+
+@pytest.mark.anyio
+async def test_a_job_whose_input_file_the_roots_no_longer_allow_is_not_resumed(
+    generator_dir: Path, tmp_path: Path
+) -> None:
+    (generator_dir / "recorder_generator.py").write_text(RECORDER)
+    registry = GeneratorRegistry(generator_dir)
+    registry.refresh()
+    buffer = RolloutBuffer()
+    buffer.job_started("rec", "recorder", {"input_file": "/etc/passwd", "out": str(tmp_path / "out.json")})
+    jobs = JobManager(buffer, "http://127.0.0.1:8889", policy=JobPolicy((tmp_path,)))
+    (job,) = await jobs.resume(registry)
+    assert job.status is JobStatus.FAILED
+    assert "input_file: must lie under the service's input roots" in str(job.error)
+    assert buffer.jobs == {}
