@@ -185,3 +185,19 @@ async def test_a_job_whose_input_file_the_roots_no_longer_allow_is_not_resumed(
     assert job.status is JobStatus.FAILED
     assert "input_file: must lie under the service's input roots" in str(job.error)
     assert buffer.jobs == {}
+
+
+def test_a_refused_restart_leaves_the_running_job_running(
+    make_client: Callable[..., TestClient], generator_dir: Path
+) -> None:
+    (generator_dir / "waiting_generator.py").write_text(
+        'import asyncio\nTASK_TYPE = "waiting"\n'
+        "async def run_rollout(data):\n    await asyncio.Event().wait()\n"
+    )
+    client = make_client()
+    job_id = client.post("/start_rollout", json={"task_type": "waiting"}).json()["job_id"]
+    refused_restart = client.post(
+        "/start_rollout", json={"task_type": "waiting", "restart": True, "input_file": "/etc/passwd"}
+    )
+    assert refused_restart.status_code == 422
+    assert client.get(f"/jobs/{job_id}").json()["data"]["status"] == "running"
