@@ -65,7 +65,7 @@ def test_the_math_generator_runs_through_aborts_and_errors_and_its_groups_reach_
         "-m", "buffer.simulator", "--latency-mean-s", "0.02", "--accuracy", "0.5", "--abort-rate", "0.3",
         "--error-rate", "0.2", "--seed", "1", "--log-level", "warning", name="simulator",
     )  # fmt: skip
-    buffer_url = process("buffer.py", "--log-level", "warning", name="buffer")
+    buffer_url = process("buffer.py", "--log-level", "warning", "--input-roots", str(tmp_path), name="buffer")
     with httpx.Client(base_url=buffer_url, timeout=30, trust_env=False) as client:
         started_job = client.post(
             "/start_rollout",
@@ -137,7 +137,16 @@ def test_the_example_script_runs_and_stops_everything(tmp_path: Path) -> None:
 
 
 def test_a_long_poll_its_client_abandoned_takes_nothing(process: Process, tmp_path: Path) -> None:
-    buffer_url = process("buffer.py", "--group-size", "4", "--log-level", "warning", name="buffer")
+    buffer_url = process(
+        "buffer.py",
+        "--group-size",
+        "4",
+        "--log-level",
+        "warning",
+        "--input-roots",
+        str(tmp_path),
+        name="buffer",
+    )
     item = {"instance_id": "q", "messages": [{"role": "user", "content": "q"}], "extra_info": {}}
     with httpx.Client(base_url=buffer_url, timeout=10, trust_env=False) as client:
         client.post("/buffer/write", json={**item, "reward": 0.0})

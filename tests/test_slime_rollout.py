@@ -94,6 +94,8 @@ def buffer_url(tmp_path: Path) -> Iterator[str]:
         str(port),
         "--log-level",
         "warning",
+        "--input-roots",  # the tests' data sets
+        str(tmp_path),
     ]
     with started(command, "buffer", tmp_path / "buffer.log") as process:
         wait_ready(f"http://127.0.0.1:{port}/health", process, 60, "buffer")

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from buffer.jobs import current_job
 from buffer.toolkit.agent import single_turn
-from buffer.toolkit.dataset import Plan, read_rows
+from buffer.toolkit.dataset import Plan, ResumePoint, read_rows
 from buffer.toolkit.llm import ChatClient, ContinuePolicy, LLMStats, RetryPolicy
 from buffer.toolkit.sink import RejectedTrajectory, TrajectorySink, open_sink
 from buffer.toolkit.types import Completion, Episode, GroupRewardFn, Message, RewardFn, Sample
@@ -62,6 +62,9 @@ class RolloutSettings(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     skip_instance_ids: list[str | int] = Field(default_factory=list)
+    resume: dict[str, Any] | None = Field(
+        None, description="set by the service when it resumes the job: what its earlier run produced"
+    )
     seed: int = 0
     shuffle: bool = True
     model: str = "default"
@@ -183,6 +186,7 @@ async def run_rollouts(
         seed=settings.seed,
         shuffle=settings.shuffle,
         skip_instance_ids=settings.skip_instance_ids,
+        resume=ResumePoint.from_json(settings.resume) if settings.resume else None,
     )
     progress = Progress(settings.task_type, plan.total())
     own_sink = sink is None
