@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 #: Each read waits up to this long for a group (it returns as soon as one is ready); between
 #: empty reads the adapter checks that the rollout is still running.
 WAIT_S = 5.0
-CLIENT_ATTEMPTS = 20  # with backoff up to 10 s between them: about a minute and a half
+CLIENT_RETRY_S = 90.0  # how long a request to the buffer is retried: a restart takes seconds to a minute
 
 
 class _TemplateKwargs:
@@ -154,7 +154,7 @@ def _client(args: Any) -> RolloutBufferClient:
     return RolloutBufferClient(
         args.rollout_buffer_url,
         api_key=getattr(args, "rollout_buffer_api_key", None),
-        max_attempts=CLIENT_ATTEMPTS,
+        max_retry_s=CLIENT_RETRY_S,
     )
 
 
