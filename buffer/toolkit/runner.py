@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from buffer.jobs import current_job
@@ -236,10 +237,14 @@ async def run_rollouts(
     return progress
 
 
-def policy_client(settings: RolloutSettings) -> EngineClient:
+def policy_client(
+    settings: RolloutSettings, transport: httpx.AsyncBaseTransport | None = None
+) -> EngineClient:
     """The client ``settings`` describe: the chat client, or in token mode the token client
-    with the served model's tokenizer (SGLang's ``/generate`` unless the engine is vLLM)."""
+    with the served model's tokenizer (SGLang's ``/generate`` unless the engine is vLLM).
+    ``transport`` replaces the HTTP transport (tests)."""
     common: dict[str, Any] = {
+        "transport": transport,
         "api_key": settings.engine_api_key,
         "max_connections": settings.num_process,
         "timeout_s": settings.request_timeout_s,

@@ -14,10 +14,11 @@ client holds the token ids instead (what slime's agent trajectories, AReaL and v
   Qwen/Hermes ``<tool_call>{json}</tool_call>``; pass another ``ToolCallParser`` for other
   formats), and ``<think>...</think>`` becomes ``reasoning_content``.
 
-The observation's text is the difference of two renderings of a short conversation (a user
-message, the real assistant message, then the new messages), so it is what the template writes
-for the new messages, whatever the history; a template whose rendering of that conversation does
-not extend the rendering without the new messages is refused (``TemplateError``).
+The observation's text is what the template writes after an assistant turn: the rest of its
+end of turn that the model did not sample (``"\n"`` after Qwen's ``<|im_end|>``), then the new
+messages and the generation prompt, as rendered in a short conversation (a user message, a
+stand-in assistant turn, the new messages), whatever the history. A template that cannot be
+read that way is refused (``TemplateError``), never spliced.
 
 ``transformers`` is an optional extra (``pip install 'rollout-buffer[train]'``): the toolkit loads
 it only in this mode, and says so when it is missing.
@@ -157,7 +158,24 @@ class TokenRenderer:
     ) -> list[int]:
         """The tokens that follow an assistant turn whose sampled ids were ``output_ids``: the
         rest of the template's end of turn, the ``new`` messages and the generation prompt."""
+        return self.encode(self._closing(output_ids) + self._suffix(assistant, new, tools))
+
+    def _suffix(
+        self, assistant: Message, new: Sequence[Message], tools: Sequence[dict[str, Any]] | None
+    ) -> str:
+        """What the template writes for ``new`` after an assistant turn's end, generation prompt
+        included. Rendered after a stand-in assistant turn, so a template that rewrites earlier
+        turns once later messages come (Qwen3 drops their reasoning) changes nothing here; if the
+        template refuses the stand-in, after the real assistant message."""
         user = {"role": "user", "content": "?"}
+        turn_end = self._template_turn_end()
+        try:
+            full = self.render([user, {"role": "assistant", "content": _PROBE}, *new], tools, prompt=True)
+        except Exception:  # a template that checks tool results against tool calls
+            full = ""
+        at = full.find(_PROBE)
+        if at >= 0 and full.startswith(turn_end, at + len(_PROBE)):
+            return full[at + len(_PROBE) + len(turn_end) :]
         base = self.render([user, assistant], tools, prompt=False)
         full = self.render([user, assistant, *new], tools, prompt=True)
         if not full.startswith(base):
@@ -165,7 +183,7 @@ class TokenRenderer:
                 "the chat template renders the conversation differently once later messages are "
                 "added; its observation tokens cannot be appended without re-tokenising"
             )
-        return self.encode(self._closing(output_ids) + full[len(base) :])
+        return full[len(base) :]
 
     def _closing(self, output_ids: Sequence[int]) -> str:
         """What the template writes after an assistant turn's content that the model did not
