@@ -51,7 +51,9 @@ def test_filter_item_keeps_rewards_in_the_unit_interval(reward: object, kept: bo
 
 def test_filter_item_drops_a_trajectory_left_aborted_and_keeps_one_continued_to_its_end() -> None:
     assert not default_func.filter_item(trajectory(extra_info={"finish_reason": "abort"}), "math")
-    assert default_func.filter_item(trajectory(extra_info={"finish_reason": "stop", "continuations": 2}), "math")
+    assert default_func.filter_item(
+        trajectory(extra_info={"finish_reason": "stop", "continuations": 2}), "math"
+    )
 
 
 def test_filter_item_needs_a_message_list() -> None:
