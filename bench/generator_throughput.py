@@ -20,6 +20,7 @@ script plays the trainer, draining ``/get_rollout_data`` every second, and repor
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -92,14 +93,17 @@ def main() -> None:
         default="on",
         help="token capture (ids and logprobs asked for and written); both: off, then on, and the cost",
     )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs of each mode, interleaved (off, on, off, on, ...)"
+    )
     args = parser.parse_args()
-    modes = {"on": [True], "off": [False], "both": [False, True]}[args.capture]
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.capture] * args.repeat
     rows = []
     for concurrency in args.concurrency:
-        rates: dict[bool, float] = {}
+        rates: dict[bool, list[float]] = {}
         for capture in modes:
             result = measure(concurrency, args.latency_s, args.jitter_s, args.warmup_s, args.seconds, capture)
-            rates[capture] = result["rate"]
+            rates.setdefault(capture, []).append(result["rate"])
             rows.append(
                 [
                     concurrency,
@@ -117,9 +121,8 @@ def main() -> None:
                 flush=True,
             )
         if len(rates) == 2:
-            print(
-                f"C={concurrency}: capture costs {100 * (1 - rates[True] / rates[False]):.1f}% of throughput"
-            )
+            on, off = statistics.median(rates[True]), statistics.median(rates[False])
+            print(f"C={concurrency}: capture costs {100 * (1 - on / off):.1f}% of throughput (medians)")
     print(common.table(["C", "L (s)", "capture", "trajectories", "ideal C/L", "share", "RSS max"], rows))
 
 

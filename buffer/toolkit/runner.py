@@ -166,9 +166,11 @@ class Progress:
         s = self.snapshot()
         share = f" ({100 * s['completed'] / s['total']:.1f}%)" if s["total"] else ""
         failures = f", {s['request_failures']} LLM requests failed" if s["request_failures"] else ""
+        aborted = f", {s['aborted']} left aborted" if s["aborted"] else ""
         return (
             f"{self.task_type}: {s['completed']}/{s['total']} trajectories{share}, "
-            f"{s['trajectories_per_s']}/s, {s['failed']} failed, {s['in_flight']} in flight{failures}"
+            f"{s['trajectories_per_s']}/s, {s['failed']} failed{aborted}, "
+            f"{s['in_flight']} in flight{failures}"
         )
 
 
