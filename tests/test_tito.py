@@ -18,6 +18,7 @@ import respx
 
 from buffer.models import TRAJECTORY
 from buffer.toolkit.agent import Tool, run_tools, single_turn
+from buffer.toolkit.engines import AnswerShapeError, read_generate
 from buffer.toolkit.llm import ContinuePolicy, RetryPolicy
 from buffer.toolkit.runner import RolloutSettings, policy_client, run_rollouts
 from buffer.toolkit.tito import (
@@ -325,7 +326,10 @@ async def test_run_rollouts_in_token_mode_writes_turns_with_offsets_and_the_tool
         "shuffle": False,
         "max_retry_s": 0,
     }
-    llm = policy_client(RolloutSettings.model_validate(payload), transport=httpx.AsyncHTTPTransport())
+    settings = RolloutSettings.model_validate(payload)
+    llm = policy_client(
+        settings, tokenizer=load_tokenizer(str(tokenizer_dir)), transport=httpx.AsyncHTTPTransport()
+    )
     assert isinstance(llm, TokenClient)
     async with llm:
         await run_rollouts(payload, reward=lambda s, e: 1.0, rollout=rollout, sink=Sink(), llm=llm)
@@ -365,3 +369,51 @@ async def test_single_turn_in_token_mode_renders_the_prompt_once() -> None:
     (completion,) = episode.completions
     assert completion.tokens is not None
     assert tokenizer.decode(completion.tokens.prompt_ids).endswith("<|im_start|>assistant\n<think>\n")
+
+
+@pytest.mark.parametrize(
+    ("answer", "ids", "logprobs", "finish"),
+    [
+        # recent SGLang: output_ids, finish_reason as {"type": ...}
+        (
+            {"text": "", "output_ids": [3, 4], "meta_info": {"finish_reason": {"type": "length", "length": 2},
+             "output_token_logprobs": [[-0.5, 3, None], [-1, 4, None]], "weight_version": "w1"}},
+            [3, 4], [-0.5, -1.0], "length",
+        ),
+        # older SGLang: no output_ids (slime reads them from output_token_logprobs), a plain finish string
+        (
+            {"text": "", "meta_info": {"finish_reason": "stop", "output_token_logprobs": [[-0.25, 9, "x"]]}},
+            [9], [-0.25], "stop",
+        ),
+        # an abort that brought nothing
+        (
+            {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "x"},
+             "output_token_logprobs": []}},
+            [], [], "abort",
+        ),
+    ],
+)  # fmt: skip
+def test_generate_answers_of_each_sglang_vintage_are_read(
+    answer: dict[str, Any], ids: list[int], logprobs: list[float], finish: str
+) -> None:
+    generated = read_generate(answer)
+    assert (generated.output_ids, generated.output_logprobs, generated.finish_reason) == (
+        ids,
+        logprobs,
+        finish,
+    )
+
+
+def test_a_malformed_generate_answer_is_refused() -> None:
+    with pytest.raises(AnswerShapeError, match="output_ids"):
+        read_generate({"text": "", "meta_info": {}})
+    with pytest.raises(AnswerShapeError, match="not a list of integers"):
+        read_generate({"output_ids": ["a"], "meta_info": {}})
+
+
+def test_token_mode_without_a_tokenizer_path_says_so() -> None:
+    settings = RolloutSettings.model_validate(
+        {"input_file": "x", "remote_engine_url": ENGINE, "token_mode": True}
+    )
+    with pytest.raises(ValueError, match="token_mode needs tokenizer_path"):
+        policy_client(settings)

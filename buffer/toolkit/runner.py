@@ -214,9 +214,17 @@ async def run_rollouts(
     progress = Progress(settings.task_type, plan.total())
     own_sink = sink is None
     own_llm = llm is None
-    sink = sink or await open_sink(settings.remote_buffer_url, api_key=settings.buffer_api_key)
-    if llm is None:
-        llm = await asyncio.to_thread(policy_client, settings)  # a tokenizer loads from disk
+    if llm is None:  # first: a token mode without its tokenizer fails before anything is opened
+        tokenizer = None
+        if settings.token_mode and settings.tokenizer_path:  # read from disk: not on the event loop
+            tokenizer = await asyncio.to_thread(load_tokenizer, settings.tokenizer_path)
+        llm = policy_client(settings, tokenizer=tokenizer)
+    try:
+        sink = sink or await open_sink(settings.remote_buffer_url, api_key=settings.buffer_api_key)
+    except BaseException:
+        if own_llm:
+            await llm.aclose()
+        raise
     run = _Run(
         settings, progress, sink, functools.partial(rollout, llm, **settings.sampling()), reward, group_reward
     )
@@ -240,11 +248,12 @@ async def run_rollouts(
 
 
 def policy_client(
-    settings: RolloutSettings, transport: httpx.AsyncBaseTransport | None = None
+    settings: RolloutSettings, *, tokenizer: Any = None, transport: httpx.AsyncBaseTransport | None = None
 ) -> EngineClient:
     """The client ``settings`` describe: the chat client, or in token mode the token client
     with the served model's tokenizer (SGLang's ``/generate`` unless the engine is vLLM).
-    ``transport`` replaces the HTTP transport (tests)."""
+    ``tokenizer`` is the one ``tokenizer_path`` names, if already loaded; ``transport``
+    replaces the HTTP transport (tests)."""
     common: dict[str, Any] = {
         "transport": transport,
         "api_key": settings.engine_api_key,
@@ -266,7 +275,9 @@ def policy_client(
         )
     if not settings.tokenizer_path:
         raise ValueError("token_mode needs tokenizer_path: the served model's tokenizer renders the prompts")
-    renderer = TokenRenderer(load_tokenizer(settings.tokenizer_path), settings.chat_template_kwargs)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(settings.tokenizer_path)
+    renderer = TokenRenderer(tokenizer, settings.chat_template_kwargs)
     engine: TokenEngine = "vllm" if settings.engine == "vllm" else "sglang"
     return TokenClient(settings.remote_engine_url, renderer, engine=engine, model=settings.model, **common)
 
