@@ -135,7 +135,7 @@ async def test_each_generated_message_gets_a_turn_with_its_ids_logprobs_and_samp
 async def test_a_tool_loop_records_the_tools_and_later_prompts_as_offsets(
     tmp_path: Path, llm: ChatClient
 ) -> None:
-    respx.post(URL).mock(side_effect=vllm)
+    route = respx.post(URL).mock(side_effect=vllm)
     calculator = Tool("calculator", "Evaluate.", {"type": "object"}, lambda expression: "2")
     sink = Collected()
     rollout = functools.partial(run_tools, tools=[calculator], max_turns=3)
@@ -148,6 +148,11 @@ async def test_a_tool_loop_records_the_tools_and_later_prompts_as_offsets(
     assert first["finish_reason"] == "tool_calls"
     # the second prompt shares its first words with the first one: only the rest is stored
     assert 0 < second["prompt_offset"] <= len(first["prompt_ids"]) + len(first["output_ids"])
+    # the engine gets the conversation without the toolkit's mark, the reasoning kept
+    sent = [json.loads(call.request.content)["messages"] for call in route.calls]
+    follow_ups = [messages[1] for messages in sent if len(messages) > 1]
+    assert follow_ups
+    assert all("generated" not in message for message in follow_ups)
 
 
 def test_turn_offsets_rebuild_every_full_prompt() -> None:

@@ -321,8 +321,9 @@ class ChatClient(EngineClient):
         usage: dict[str, int] = {}
         tokens: TokenCapture | None = None
         tool_calls: list[dict[str, Any]] | None = None
+        wire = [_on_the_wire(message) for message in messages]
         while True:
-            body = dict(base, messages=list(messages))
+            body = dict(base, messages=list(wire))
             if continuations:
                 body["messages"].append({"role": "assistant", "content": text})
                 body.update(continue_fields)
@@ -393,6 +394,13 @@ def _joined(so_far: TokenCapture | None, step: TokenCapture | None, *, first: bo
         logprobs,
         step.weight_version if step.weight_version is not None else so_far.weight_version,
     )
+
+
+def _on_the_wire(message: Message) -> Message:
+    """A message as the engine gets it: without the toolkit's own ``generated`` mark."""
+    if "generated" not in message:
+        return message
+    return {key: value for key, value in message.items() if key != "generated"}
 
 
 def _sampling_record(sampling: dict[str, Any], seed: int | None) -> dict[str, Any]:
