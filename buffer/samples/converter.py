@@ -5,13 +5,14 @@ Two paths, chosen per trajectory:
 - token in, token out: a single-turn trajectory whose ``extra_info`` carries the engine's
   ``prompt_token_ids`` and ``token_ids`` is used as generated, without re-tokenising; its ``logprobs``
   become ``rollout_log_probs``.
-- re-tokenise: anything else (multi-turn trajectories, or ones without token ids) is rendered whole
-  by the tokenizer's chat template, so ``tokens`` is exactly ``apply_chat_template(messages, tools=tools)``,
-  and the loss mask is read off the rendered text (`buffer.samples.masking`). Per-turn token ids of a
-  multi-turn trajectory are not spliced together: the tokens between the turns (tool results, user turns,
-  headers) would have to be tokenised on their own, which need not match tokenising the conversation, and
-  templates that rewrite earlier turns make the turns as generated differ from the conversation trained on.
-  Their log probabilities are dropped for the same reason.
+- re-tokenise: anything else (multi-turn trajectories, or ones without token ids) is rendered whole by the
+  tokenizer's chat template, so ``tokens`` is exactly ``apply_chat_template(messages, tools=tools)`` with
+  the trajectory's own ``tools`` (else the converter's), and the loss mask is 1 only on what the model
+  generated of its generated messages (`buffer.samples.rerender`), or the trajectory is refused. Per-turn
+  token ids of a multi-turn trajectory are not spliced together: the tokens between the turns (tool results,
+  user turns, headers) would have to be tokenised on their own, which need not match tokenising the
+  conversation, and templates that rewrite earlier turns make the turns as generated differ from the
+  conversation trained on. Their log probabilities are dropped for the same reason.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from buffer.samples import masking
+from buffer.samples import masking, rerender
 from buffer.samples.sample import SampleConversionError, TrainingSample, sample_status
 from buffer.samples.template import (
     ChatTemplateAnalysis,
@@ -83,7 +84,9 @@ class SampleConverter:
                     trajectory.get("uid"),
                 )
             last_turn_ended = status == "completed" or messages[-1].get("role") != "assistant"
-            tokens, loss_mask = self._tokenise(messages, turns, last_turn_ended=last_turn_ended)
+            tokens, loss_mask = self._tokenise(
+                messages, tools=self._tools_of(trajectory), last_turn_ended=last_turn_ended
+            )
             log_probs = None
         return TrainingSample(
             tokens=tokens,
@@ -98,17 +101,37 @@ class SampleConverter:
             instance_id=trajectory.get("instance_id"),
         )
 
+    def _tools_of(self, trajectory: Mapping[str, Any]) -> Tools | None:
+        """The tools the model was given: the trajectory's own, else the converter's."""
+        tools = trajectory.get("tools")
+        if tools is None:
+            return self.tools
+        if not isinstance(tools, list) or not all(isinstance(tool, Mapping) for tool in tools):
+            raise SampleConversionError("tools: not a list of tool schemas")
+        return tools
+
     def _tokenise(
-        self, messages: Sequence[Mapping[str, Any]], turns: int, *, last_turn_ended: bool
+        self, messages: Sequence[Mapping[str, Any]], *, tools: Tools | None, last_turn_ended: bool
     ) -> tuple[list[int], list[int]]:
         """The conversation's tokens and the loss mask over its response (from the first generated token)."""
-        conversation = [dict(m) for m in messages]
+        generated = rerender.generated_messages(messages)
+        if not generated:
+            raise SampleConversionError("messages: no generated assistant message, so nothing to train on")
+        conversation = rerender.prepare_messages(messages, self.analysis)
         try:
-            text = render_chat(self.tokenizer, conversation, tools=self.tools)
-            ids, offsets = self._encode(conversation)
+            text = render_chat(self.tokenizer, conversation, tools=tools)
+            ids, offsets = self._encode(conversation, tools)
         except template_errors() as exc:
             raise SampleConversionError(f"the chat template cannot render the messages: {exc}") from exc
-        spans = masking.assistant_spans(text, self.analysis, turns, last_turn_ended=last_turn_ended)
+        spans = rerender.generated_spans(
+            self.tokenizer,
+            self.analysis,
+            conversation,
+            text,
+            tools=tools,
+            generated=generated,
+            last_turn_ended=last_turn_ended,
+        )
         if offsets is not None and masking.offsets_partition(offsets, len(text)):
             mask = masking.mask_from_offsets(offsets, spans)
         else:
@@ -120,23 +143,25 @@ class SampleConverter:
                 )
             mask = masking.mask_from_decoding(self.tokenizer, ids, text, spans)
         if 1 not in mask:
-            raise SampleConversionError("no token of the assistant turns is the model's")
+            raise SampleConversionError("no token of the generated messages is the model's")
         return ids, mask[mask.index(1) :]
 
-    def _encode(self, conversation: list[dict[str, Any]]) -> tuple[list[int], list[tuple[int, int]] | None]:
+    def _encode(
+        self, conversation: list[dict[str, Any]], tools: Tools | None
+    ) -> tuple[list[int], list[tuple[int, int]] | None]:
         """``apply_chat_template(tokenize=True)``'s token ids, and their character spans if it has them."""
-        tools = template_tools(self.tools)
+        schemas = template_tools(tools)
         try:
             encoding = self.tokenizer.apply_chat_template(
                 conversation,
-                tools=tools,
+                tools=schemas,
                 tokenize=True,
                 return_dict=True,
                 tokenizer_kwargs={"return_offsets_mapping": True},
             )
         except NotImplementedError:  # a tokenizer without offsets (a Python one)
             encoding = self.tokenizer.apply_chat_template(
-                conversation, tools=tools, tokenize=True, return_dict=True
+                conversation, tools=schemas, tokenize=True, return_dict=True
             )
         if not isinstance(encoding, Mapping) or not encoding.get("input_ids"):
             raise SampleConversionError("apply_chat_template(tokenize=True) gave no token ids")
