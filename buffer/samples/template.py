@@ -80,11 +80,13 @@ class ChatTemplateAnalysis:
                 continue
             cuts.update((position, position + len(marker)))
             position += len(marker)
-        first_marker_end = min(
+        least = min(
             (c for c in cuts if c > 0 and any(prompt[:c].endswith(m) for m in self.markers)),
             default=len(prompt),
         )
-        return tuple(prompt[:cut] for cut in sorted(cuts, reverse=True) if cut >= first_marker_end and cut)
+        while least < len(prompt) and least not in cuts:  # and the role name after it ("assistant\\n")
+            least += 1
+        return tuple(prompt[:cut] for cut in sorted(cuts, reverse=True) if cut >= least and cut)
 
 
 Tools = Sequence[Mapping[str, Any]]
@@ -169,6 +171,11 @@ def _analyse(tokenizer: PreTrainedTokenizerBase, tools: Tools | None) -> ChatTem
     last = render_chat(tokenizer, [question, reply], tools=tools)
     if _REPLY not in last:
         raise SampleConversionError("the chat template does not write an assistant message's content")
+    if not generation_prompt and any(m in last[common : last.index(_REPLY)] for m in markers):
+        raise SampleConversionError(
+            "the chat template writes no generation prompt (add_generation_prompt=True adds nothing), yet "
+            "writes a header before a reply, so where the model's reply starts cannot be found"
+        )
     after_last = last[last.index(_REPLY) + len(_REPLY) :]
     ends: set[str] = set()
     last_end = _marker_at_start(after_last, markers)
@@ -191,7 +198,7 @@ def _analyse(tokenizer: PreTrainedTokenizerBase, tools: Tools | None) -> ChatTem
         generation_prompt=generation_prompt,
         end_of_turn=tuple(sorted(ends, key=len, reverse=True)),
         reply_ends_with_token=bool(last_end),
-        reasoning=_probe_reasoning(tokenizer, question, prompted),
+        reasoning=_probe_reasoning(tokenizer, question, prompted, tools),
         tool_arguments=arguments,
         markers=tuple(markers),
     )
@@ -225,7 +232,7 @@ def _count_markers(text: str, markers: Sequence[str]) -> int:
 
 
 def _probe_reasoning(
-    tokenizer: PreTrainedTokenizerBase, question: dict[str, Any], prompted: str
+    tokenizer: PreTrainedTokenizerBase, question: dict[str, Any], prompted: str, tools: Tools | None
 ) -> ReasoningSlot | None:
     """Where the template puts a last reply's reasoning; None if it renders none.
 
@@ -234,7 +241,7 @@ def _probe_reasoning(
     """
     reply = {"role": "assistant", "content": _REPLY, "reasoning_content": _REASONING, "thinking": _REASONING}
     try:
-        text = render_chat(tokenizer, [question, reply])
+        text = render_chat(tokenizer, [question, reply], tools=tools)
     except template_errors():
         return None
     at, content_at = text.find(_REASONING), text.find(_REPLY)
