@@ -68,7 +68,8 @@ class ChatTemplateAnalysis:
 
         A template may write a shorter header before replies in the history than the one it prompts with
         (Qwen3 writes "<|im_start|>assistant\\n" without "<think>\\n"). Cutting only at marker boundaries,
-        and never before the first marker's end, keeps a lone "\\n" or a "<" from passing for one.
+        never before the first marker and the role name after it, keeps "<|im_start|>", a lone "\\n" or a
+        "<" from passing for one.
         """
         prompt = self.generation_prompt
         cuts = {len(prompt)}
