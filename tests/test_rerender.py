@@ -204,3 +204,18 @@ def test_gpt_oss_gets_the_reasoning_as_thinking() -> None:
         "<|channel|>analysis<|message|>One plus two.<|end|><|start|>assistant<|channel|>final<|message|>"
         "It is 3.<|return|>"
     ]
+
+
+def test_the_chat_template_kwargs_are_rendered_with() -> None:
+    # Qwen3 with thinking off: the generation prompt holds the empty reasoning block, the reply follows it.
+    spec = next(s for s in TEMPLATE_SPECS if s.name == "qwen3-hybrid")
+    tokenizer = spec.tokenizer(train_bpe())
+    item = {"uid": "u", "instance_id": "i", "messages": FEW_SHOT[-2:], "reward": 1.0, "extra_info": {}}
+    converter = SampleConverter(tokenizer, chat_template_kwargs={"enable_thinking": False})
+    assert converter.analysis.generation_prompt == "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    sample = converter.convert(item)
+    assert masked(tokenizer, sample) == ["The answer is six.<|im_end|>"]
+    prompt = tokenizer.apply_chat_template(
+        FEW_SHOT[-2:-1], add_generation_prompt=True, enable_thinking=False, return_dict=False
+    )
+    assert decode(tokenizer, sample.tokens[: sample.prompt_length]) == decode(tokenizer, prompt)

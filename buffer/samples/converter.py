@@ -41,10 +41,18 @@ logger = logging.getLogger(__name__)
 class SampleConverter:
     """Converts trajectories with one tokenizer, analysing its chat template once, up front."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, tools: Tools | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        tools: Tools | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.tools = tools
-        self.analysis: ChatTemplateAnalysis = analyse_chat_template(tokenizer, tools=tools)
+        self.analysis: ChatTemplateAnalysis = analyse_chat_template(
+            tokenizer, tools=tools, template_kwargs=chat_template_kwargs
+        )
         self._offsets_warned = False
 
     def convert_many(self, trajectories: Iterable[Mapping[str, Any]]) -> list[TrainingSample]:
@@ -119,7 +127,9 @@ class SampleConverter:
             raise SampleConversionError("messages: no generated assistant message, so nothing to train on")
         conversation = rerender.prepare_messages(messages, self.analysis)
         try:
-            text = render_chat(self.tokenizer, conversation, tools=tools)
+            text = render_chat(
+                self.tokenizer, conversation, tools=tools, template_kwargs=self.analysis.template_kwargs
+            )
             ids, offsets = self._encode(conversation, tools)
         except template_errors() as exc:
             raise SampleConversionError(f"the chat template cannot render the messages: {exc}") from exc
@@ -151,6 +161,7 @@ class SampleConverter:
     ) -> tuple[list[int], list[tuple[int, int]] | None]:
         """``apply_chat_template(tokenize=True)``'s token ids, and their character spans if it has them."""
         schemas = template_tools(tools)
+        kwargs = dict(self.analysis.template_kwargs)
         try:
             encoding = self.tokenizer.apply_chat_template(
                 conversation,
@@ -158,10 +169,11 @@ class SampleConverter:
                 tokenize=True,
                 return_dict=True,
                 tokenizer_kwargs={"return_offsets_mapping": True},
+                **kwargs,
             )
         except NotImplementedError:  # a tokenizer without offsets (a Python one)
             encoding = self.tokenizer.apply_chat_template(
-                conversation, tools=schemas, tokenize=True, return_dict=True
+                conversation, tools=schemas, tokenize=True, return_dict=True, **kwargs
             )
         if not isinstance(encoding, Mapping) or not encoding.get("input_ids"):
             raise SampleConversionError("apply_chat_template(tokenize=True) gave no token ids")

@@ -208,6 +208,7 @@ def _locate_fields(
     messages: list[dict[str, Any]],
     text: str,
     tools: Tools | None,
+    kwargs: Mapping[str, Any],
 ) -> _Fields:
     """Render with sentinels and read off where each message's fields are.
 
@@ -217,14 +218,14 @@ def _locate_fields(
     """
     wrap = set(range(len(messages)))
     wrapped, owners = _wrapped(messages, wrap)
-    rendered = _render(tokenizer, wrapped, tools)
+    rendered = _render(tokenizer, wrapped, tools, kwargs)
     if _SENTINELS.sub("", rendered) != text:
         for index in range(len(messages)):
             alone, _ = _wrapped(messages, {index})
-            if _SENTINELS.sub("", _render(tokenizer, alone, tools)) != text:
+            if _SENTINELS.sub("", _render(tokenizer, alone, tools, kwargs)) != text:
                 wrap.discard(index)
         wrapped, owners = _wrapped(messages, wrap)
-        rendered = _render(tokenizer, wrapped, tools)
+        rendered = _render(tokenizer, wrapped, tools, kwargs)
         if _SENTINELS.sub("", rendered) != text:
             raise SampleConversionError(
                 "the chat template renders the conversation differently when its text is marked, "
@@ -253,10 +254,13 @@ def _locate_fields(
 
 
 def _render(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]], tools: Tools | None
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[dict[str, Any]],
+    tools: Tools | None,
+    template_kwargs: Mapping[str, Any],
 ) -> str:
     try:
-        return render_chat(tokenizer, messages, tools=tools)
+        return render_chat(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
     except template_errors() as exc:
         raise SampleConversionError(f"the chat template cannot render the messages: {exc}") from exc
 
@@ -275,7 +279,7 @@ def generated_spans(
 
     ``messages`` are prepared (`prepare_messages`) and ``text`` is their rendering.
     """
-    fields = _locate_fields(tokenizer, messages, text, tools)
+    fields = _locate_fields(tokenizer, messages, text, tools, analysis.template_kwargs)
     everything = [(i, start, stop) for i, spans in fields.spans.items() for _, start, stop in spans]
     spans: list[Span] = []
     for index in generated:
@@ -378,7 +382,13 @@ def _header_end(
 ) -> int:
     """Where the header of message ``index`` ends: its generation prompt, else the template's header."""
     try:
-        prompt: str | None = render_chat(tokenizer, messages[:index], tools=tools, add_generation_prompt=True)
+        prompt: str | None = render_chat(
+            tokenizer,
+            messages[:index],
+            tools=tools,
+            add_generation_prompt=True,
+            template_kwargs=analysis.template_kwargs,
+        )
     except template_errors():
         prompt = None
     if prompt is not None and text.startswith(prompt) and previous <= len(prompt) <= start:

@@ -19,9 +19,9 @@ Nothing here is a table of known templates: each is read off the tokenizer's own
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from buffer.samples.sample import SampleConversionError
 
@@ -61,6 +61,7 @@ class ChatTemplateAnalysis:
     reasoning: ReasoningSlot | None
     tool_arguments: ArgumentsForm | None  # None: the template renders no tool call
     markers: tuple[str, ...]  # the tokenizer's added tokens, longest first
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # e.g. {"enable_thinking": False}
 
     @property
     def header_prefixes(self) -> tuple[str, ...]:
@@ -93,6 +94,17 @@ class ChatTemplateAnalysis:
 Tools = Sequence[Mapping[str, Any]]
 
 
+class _Render(Protocol):
+    def __call__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Tools | None = None,
+        add_generation_prompt: bool = False,
+    ) -> str: ...
+
+
 def template_tools(tools: Tools | None) -> list[dict[Any, Any] | Callable[..., Any]] | None:
     """Tool schemas as ``apply_chat_template`` takes them."""
     return None if tools is None else [dict(tool) for tool in tools]
@@ -115,13 +127,15 @@ def render_chat(
     *,
     tools: Tools | None = None,
     add_generation_prompt: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
-    """The conversation as the chat template writes it."""
+    """The conversation as the chat template writes it; ``template_kwargs`` go to the template."""
     text = tokenizer.apply_chat_template(
         [dict(m) for m in messages],
         tools=template_tools(tools),
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
+        **dict(template_kwargs or {}),
     )
     if not isinstance(text, str):
         raise SampleConversionError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}")
@@ -139,18 +153,44 @@ def added_token_strings(tokenizer: PreTrainedTokenizerBase) -> list[str]:
 
 
 def analyse_chat_template(
-    tokenizer: PreTrainedTokenizerBase, *, tools: Tools | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    tools: Tools | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> ChatTemplateAnalysis:
-    """Render a few probe conversations and read the assistant turn's delimiters off them."""
+    """Render a few probe conversations and read the assistant turn's delimiters off them.
+
+    ``template_kwargs`` are the extra variables the trainer renders with (slime's
+    ``apply_chat_template_kwargs``, e.g. ``{"enable_thinking": False}``); every rendering uses them.
+    """
+    kwargs = dict(template_kwargs or {})
+
+    def render(
+        tokenizer: PreTrainedTokenizerBase,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Tools | None = None,
+        add_generation_prompt: bool = False,
+    ) -> str:
+        return render_chat(
+            tokenizer,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            template_kwargs=kwargs,
+        )
+
     try:
-        return _analyse(tokenizer, tools)
+        return _analyse(tokenizer, tools, render, kwargs)
     except SampleConversionError:
         raise
     except template_errors() as exc:
         raise SampleConversionError(f"the chat template cannot render a probe conversation: {exc}") from exc
 
 
-def _analyse(tokenizer: PreTrainedTokenizerBase, tools: Tools | None) -> ChatTemplateAnalysis:
+def _analyse(
+    tokenizer: PreTrainedTokenizerBase, tools: Tools | None, render_chat: _Render, kwargs: dict[str, Any]
+) -> ChatTemplateAnalysis:
     question = {"role": "user", "content": _QUESTION}
     reply = {"role": "assistant", "content": _REPLY}
     follow_up = {"role": "user", "content": _FOLLOW_UP}
@@ -187,7 +227,7 @@ def _analyse(tokenizer: PreTrainedTokenizerBase, tools: Tools | None) -> ChatTem
     history_end = _marker_at_start(between, markers)
     if history_end and _count_markers(between, markers) > 1:  # else it is the next message's header
         ends.add(history_end)
-    arguments, call_end = _probe_tool_calls(tokenizer, question, markers)
+    arguments, call_end = _probe_tool_calls(tokenizer, question, markers, render_chat)
     if call_end:
         ends.add(call_end)
     if not ends:
@@ -199,9 +239,10 @@ def _analyse(tokenizer: PreTrainedTokenizerBase, tools: Tools | None) -> ChatTem
         generation_prompt=generation_prompt,
         end_of_turn=tuple(sorted(ends, key=len, reverse=True)),
         reply_ends_with_token=bool(last_end),
-        reasoning=_probe_reasoning(tokenizer, question, prompted, tools),
+        reasoning=_probe_reasoning(tokenizer, question, prompted, tools, render_chat),
         tool_arguments=arguments,
         markers=tuple(markers),
+        template_kwargs=kwargs,
     )
 
 
@@ -233,7 +274,11 @@ def _count_markers(text: str, markers: Sequence[str]) -> int:
 
 
 def _probe_reasoning(
-    tokenizer: PreTrainedTokenizerBase, question: dict[str, Any], prompted: str, tools: Tools | None
+    tokenizer: PreTrainedTokenizerBase,
+    question: dict[str, Any],
+    prompted: str,
+    tools: Tools | None,
+    render_chat: _Render,
 ) -> ReasoningSlot | None:
     """Where the template puts a last reply's reasoning; None if it renders none.
 
@@ -252,7 +297,7 @@ def _probe_reasoning(
 
 
 def _probe_tool_calls(
-    tokenizer: PreTrainedTokenizerBase, question: dict[str, Any], markers: Sequence[str]
+    tokenizer: PreTrainedTokenizerBase, question: dict[str, Any], markers: Sequence[str], render_chat: _Render
 ) -> tuple[ArgumentsForm | None, str | None]:
     """How the template takes tool-call arguments, and the token it ends a tool-call message with."""
     schema = {
