@@ -219,3 +219,12 @@ def test_the_chat_template_kwargs_are_rendered_with() -> None:
         FEW_SHOT[-2:-1], add_generation_prompt=True, enable_thinking=False, return_dict=False
     )
     assert decode(tokenizer, sample.tokens[: sample.prompt_length]) == decode(tokenizer, prompt)
+
+
+def test_text_holding_the_sentinel_characters_is_refused(qwen25: PreTrainedTokenizerFast) -> None:
+    messages = [
+        {"role": "user", "content": "What is \U000f0001?"},
+        {"role": "assistant", "content": "No idea."},
+    ]
+    with pytest.raises(SampleConversionError, match="private use area"):
+        convert(qwen25, messages)

@@ -134,9 +134,8 @@ def reasoning_of(message: Mapping[str, Any]) -> str:
 class _Fields:
     """Where each message's text lies in the rendered conversation."""
 
-    spans: dict[int, list[tuple[str, int, int]]] = field(
-        default_factory=dict
-    )  # message -> (kind, start, stop)
+    # message -> (kind, start, stop) of each of its fields the template wrote whole
+    spans: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict)
     damaged: dict[int, list[str]] = field(default_factory=dict)  # message -> kinds the template rewrote
     unwrapped: set[int] = field(default_factory=set)  # messages whose text the template reacts to
 
@@ -216,6 +215,11 @@ def _locate_fields(
     "<tool_response>") renders it differently once wrapped; such messages are left unwrapped, found one
     by one. Generated messages must be wrapped.
     """
+    if _SENTINELS.search(text):
+        raise SampleConversionError(
+            "the conversation holds characters of the private use area U+F0000..U+FFFFD, "
+            "which the converter uses to mark where each message's text lies"
+        )
     wrap = set(range(len(messages)))
     wrapped, owners = _wrapped(messages, wrap)
     rendered = _render(tokenizer, wrapped, tools, kwargs)
