@@ -256,6 +256,20 @@ def markers_in_tool_result(c: Case, spec: TemplateSpec) -> None:
     c.reply()
 
 
+def whitespace_around_content(c: Case) -> None:
+    c.user()
+    text = c.word("Reply")
+    c.add("assistant", f"\n  {text} \n", texts=[("content", text)])
+    c.generated.append(len(c.messages) - 1)
+
+
+def multi_byte_characters(c: Case) -> None:
+    c.user(f"{c.word('Question')} — ünïcödé ✓")
+    text = f"{c.word('Reply')} 🎉 — fünf ✓"
+    c.add("assistant", text, texts=[("content", text)])
+    c.generated.append(len(c.messages) - 1)
+
+
 def empty_tool_result(c: Case) -> None:
     c.user()
     (call,) = c.reply(calls=1, content=False)
@@ -270,6 +284,7 @@ SHAPES: dict[str, Callable[..., None]] = {
         tool_call_null_content, tool_call_with_text, parallel_tool_calls, multi_step_tools,
         reasoning, reasoning_with_tools, inline_reasoning, truncated, truncated_in_reasoning,
         aborted, markers_in_user_message, markers_in_tool_result, empty_tool_result,
+        whitespace_around_content, multi_byte_characters,
     )
 }  # fmt: skip
 
