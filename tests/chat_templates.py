@@ -2,8 +2,10 @@
 trajectories to training samples.
 
 The tokenizer is a small byte-level BPE trained on a few hundred sentences, with the marker
-tokens each template writes added; the templates are the public ones of Qwen2.5, Qwen3,
-Llama-3.1 and DeepSeek-R1-Distill-Qwen, as their tokenizer_config.json files give them.
+tokens each template writes added. The constants below are the public templates of Qwen2.5,
+Qwen3, Llama-3.1 and DeepSeek-R1-Distill-Qwen, as their tokenizer_config.json files give them;
+`TEMPLATE_SPECS` are the twenty of the matrix, kept as files in tests/templates/ (where each
+comes from: docs/template-matrix.md).
 """
 
 from __future__ import annotations
