@@ -315,6 +315,7 @@ def _turn_span(
     tools: Tools | None,
     ended: bool,
 ) -> Span:
+    """What the model wrote of generated message ``index``, or the reason it cannot be told faithfully."""
     message = messages[index]
     where = f"generated message {index}"
     if index in fields.unwrapped:
