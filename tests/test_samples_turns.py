@@ -307,7 +307,9 @@ def test_without_turns_the_text_is_rendered(converter: SampleConverter, turns: l
         "turns": turns,
     }
     (sample,) = converter.convert_all(item)
-    rendered = converter.tokenizer.apply_chat_template(item["messages"], tokenize=True, return_dict=False)
+    rendered = converter.tokenizer.apply_chat_template(
+        item["messages"], tools=TOOLS, tokenize=True, return_dict=False
+    )
     assert sample.tokens == rendered
     assert sample.rollout_log_probs is None
     assert sample.tools == TOOLS

@@ -166,9 +166,12 @@ def test_training_steps_return_whole_groups_keep_the_surplus_and_record_finished
 
 def test_a_resume_sends_the_recorded_groups_back_as_skips(args: SimpleNamespace) -> None:
     args.rollout_batch_size = 1
-    skipped = [f"q{i}" for i in range(11)]  # recorded by an earlier run of the trainer
+    skipped = [f"q{i}" for i in range(8)]  # recorded by an earlier run of the trainer
+    # Four groups are left, so that one of them has rewards that differ (the default
+    # is_valid_group drops a group of equal rewards; the simulator is right half the time).
     groups = slime_rollout.generate_rollout(args, 7, DataSource({"3": skipped})).samples
-    assert [{sample.metadata["instance_id"] for sample in group} for group in groups] == [{"q11"}]
+    ((instance,),) = [{sample.metadata["instance_id"] for sample in group} for group in groups]
+    assert instance in {"q8", "q9", "q10", "q11"}
 
 
 def test_when_the_pass_over_the_data_ends_another_starts(args: SimpleNamespace) -> None:

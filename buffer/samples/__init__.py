@@ -9,7 +9,8 @@ nothing here imports it, so the service installs and runs without it (it is the 
 
     sample.py     TrainingSample, its status, SampleConversionError
     template.py   what the chat template writes around an assistant turn (probed once per converter)
-    masking.py    where the assistant turns are in a rendered conversation, in characters, then tokens
+    rerender.py   the text path: where each generated message lies in the rendered conversation
+    masking.py    the loss mask over the tokens, from those character spans
     turns.py      samples from the engine's token records (``turns``), one per branch; no tokenizer needed
     converter.py  SampleConverter, to_training_sample: the paths (token records, engine tokens, re-tokenising)
 """
