@@ -18,6 +18,9 @@ from starlette.responses import Response
 
 from buffer import __version__
 from buffer.errors import RolloutBufferError
+from buffer.gateway.images import ImagePolicy
+from buffer.gateway.proxy import EngineProxy
+from buffer.gateway.service import Gateway, GatewayConfig
 from buffer.history import History
 from buffer.job_policy import JobPolicy
 from buffer.jobs import JobManager
@@ -27,7 +30,18 @@ from buffer.models import TRAJECTORY, invalid_input
 from buffer.registry import GeneratorRegistry
 from buffer.responses import envelope
 from buffer.rollout_buffer import RolloutBuffer
-from buffer.routes import dashboard, export, jobs, metrics, rollout, service, tail, trajectories, writes
+from buffer.routes import (
+    dashboard,
+    export,
+    jobs,
+    metrics,
+    rollout,
+    service,
+    sessions,
+    tail,
+    trajectories,
+    writes,
+)
 from buffer.security import ApiKeyMiddleware, BodySizeLimitMiddleware, required_key, warn_if_exposed
 from buffer.services import Services, local_url
 from buffer.settings import Settings
@@ -49,16 +63,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             dedup_window=settings.dedup_window,
             max_buffered=settings.max_buffered_trajectories,
         )
+        policy = JobPolicy.from_settings(settings)
+        gateway = _gateway(buffer, settings, policy)  # before the restore: it replays the sessions
         journal = None if settings.data_dir is None else await asyncio.to_thread(_restore, buffer, settings)
         ready = ReadySignal()
         buffer.add_listener(ready.notify)
-        job_manager = JobManager(buffer, local_url(settings), policy=JobPolicy.from_settings(settings))
+        job_manager = JobManager(buffer, local_url(settings), policy=policy)
         if journal is not None:
             await job_manager.resume(registry, enabled=settings.resume_jobs)
         history = History()
         app.state.services = Services(settings, buffer, registry, job_manager, ready, history)
+        app.state.gateway = gateway
         sweeper = asyncio.create_task(
-            _sweep_timeouts(buffer, history, settings.sweep_interval_s), name="timeout-sweeper"
+            _sweep_timeouts(buffer, history, gateway, settings.sweep_interval_s), name="timeout-sweeper"
         )
         logger.info(
             "rollout buffer %s: generators from %s: %s",
@@ -73,13 +90,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             sweeper.cancel()
             await asyncio.gather(sweeper, return_exceptions=True)
             await job_manager.shutdown()
+            await gateway.proxy.aclose()
             if journal is not None:
                 await asyncio.to_thread(journal.close)
                 logger.info("the buffer is on disk in %s", settings.data_dir)
 
     app = FastAPI(title="rollout-buffer", version=__version__, lifespan=lifespan)
     app.router.routes[:0] = writes.ROUTES  # first: matched before any other route is tried
-    for module in (rollout, trajectories, export, jobs, service, metrics, dashboard, tail):
+    for module in (rollout, trajectories, export, jobs, service, metrics, dashboard, tail, sessions):
         app.include_router(module.router)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     if (key := required_key(settings)) is not None:  # no key: no middleware, no cost
@@ -124,12 +142,24 @@ def _restore(buffer: RolloutBuffer, settings: Settings) -> Journal:
     return journal
 
 
-async def _sweep_timeouts(buffer: RolloutBuffer, history: History, interval_s: float) -> None:
-    """Finish timed-out groups even when no request comes to do it; sample the history."""
+def _gateway(buffer: RolloutBuffer, settings: Settings, policy: JobPolicy) -> Gateway:
+    """The recording gateway (``/sessions``): its images beside the journal, when there is one."""
+    images = ImagePolicy(
+        None if settings.data_dir is None else settings.data_dir / "images", local_url(settings) + "/images/"
+    )
+    config = GatewayConfig(require_session_key=required_key(settings) is not None)
+    return Gateway(buffer, EngineProxy(), images, policy, local_url(settings), config=config)
+
+
+async def _sweep_timeouts(
+    buffer: RolloutBuffer, history: History, gateway: Gateway, interval_s: float
+) -> None:
+    """Finish timed-out groups and sessions even when no request comes to do it; sample the history."""
     while True:
         await asyncio.sleep(interval_s)
         try:
             buffer.expire()
+            gateway.expire()
             history.sample(buffer)
         except Exception:
             logger.exception("timeout sweep failed")

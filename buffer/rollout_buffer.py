@@ -18,9 +18,9 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from buffer import encoding, export
 from buffer.errors import BufferFull, InvalidInput, StorageFailed
@@ -30,6 +30,15 @@ from buffer.stats import RewardStats
 from buffer.task import InstanceId, ReadyGroup, Record, SetAsideGroup, TaskBuffer, TaskSettings
 
 DEFAULT_TASK = "default"
+
+
+class Extension(Protocol):
+    """State kept beside the buffer and journaled with it (the gateway's sessions): changed only
+    by ``apply`` of its own events, so a restart replays it through the same code."""
+
+    def apply(self, header: dict[str, Any], parts: Sequence[bytes]) -> None: ...
+
+    def snapshot(self) -> Iterator[bytes]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +98,7 @@ class RolloutBuffer:
         #: The last trajectories written, newest last: (seq, task, instance_id, uid, reward, time).
         self.recent: deque[tuple[int, str, InstanceId, str, float, float]] = deque(maxlen=recent)
         self._written_seq = 0
+        self._extensions: dict[str, Extension] = {}
 
     # -- tasks -------------------------------------------------------------------------
 
@@ -438,6 +448,26 @@ class RolloutBuffer:
                 ],
             }
 
+    # -- extensions --------------------------------------------------------------------
+
+    def add_extension(self, kind: str, extension: Extension) -> None:
+        """Journal ``extension``'s events (header ``{"e": kind, ...}``) with the buffer's own;
+        before ``restore``, for its events to be replayed."""
+        self._extensions[kind] = extension
+
+    def log_event(self, header: dict[str, Any], parts: Sequence[bytes] = ()) -> None:
+        """Apply an extension's event and journal it, in one step under the lock: its state
+        never holds what the journal would not replay. ``StorageFailed`` when the data folder
+        cannot be written (nothing applied)."""
+        extension = self._extensions[header["e"]]
+        with self._lock:
+            journal = self._journal
+            if journal is not None and journal.failure is not None:
+                raise StorageFailed(journal.failure)
+            extension.apply(header, parts)
+            if journal is not None:
+                journal.append(encode(header, parts))
+
     # -- the journal -------------------------------------------------------------------
 
     def restore(self, events: Iterable[Event]) -> int:
@@ -458,7 +488,10 @@ class RolloutBuffer:
     def _apply(self, event: Event, monotonic_of: Callable[[float], float]) -> None:
         header = event.header
         kind = header["e"]
-        if kind == "w":
+        extension = self._extensions.get(kind)
+        if extension is not None:
+            extension.apply(header, event.parts())
+        elif kind == "w":
             task, instance_id, wall = self._task(header["t"]), header["i"], header["at"]
             record = Record(header["u"], header["r"], event.payload)
             self._remember(record.uid)
@@ -558,11 +591,14 @@ class RolloutBuffer:
                 "jobs": {name: self._job_record(name, spec) for name, spec in self.jobs.items()},
                 "uids": list(self._uid_order),
             }
+            extensions = [extension.snapshot() for extension in self._extensions.values()]
 
         def records() -> Iterator[bytes]:
             for task in tasks:
                 yield from task()
             yield encode(state)
+            for extension in extensions:
+                yield from extension
 
         return segment, records()
 

@@ -70,6 +70,12 @@ def _is_loopback(host: str) -> bool:
 # -- the API key ------------------------------------------------------------------------
 
 
+def _is_session_api(path: str) -> bool:
+    """A gateway session's OpenAI-compatible root: the agent sends its session's key, which
+    the gateway checks (``buffer.gateway.service``), never the service's."""
+    return path.startswith("/sessions/") and "/v1/" in path
+
+
 class ApiKeyMiddleware:
     """Answers 401 to a request without the right key. Added only when a key is configured."""
 
@@ -81,8 +87,10 @@ class ApiKeyMiddleware:
         self._bearer = b"Bearer " + self._key  # what the clients send: checked first, as a whole
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        open_path = scope["type"] == "lifespan" or (
-            scope.get("method") in OPEN_METHODS and scope["path"] in OPEN_PATHS
+        open_path = (
+            scope["type"] == "lifespan"
+            or (scope.get("method") in OPEN_METHODS and scope["path"] in OPEN_PATHS)
+            or _is_session_api(scope["path"])
         )
         problem = None if open_path else self._problem(scope["headers"])
         if problem is None:

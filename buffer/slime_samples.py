@@ -193,6 +193,9 @@ def to_sample(
         )
         versions = getattr(converted, "weight_versions", None) or []
         sample.weight_versions = [str(version) for version in versions if version is not None]
+        images = getattr(converted, "multimodal_inputs", None)
+        if images is not None:
+            sample.multimodal_inputs = images
     return sample
 
 

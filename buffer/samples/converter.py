@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from buffer.samples import masking, rerender, turns
+from buffer.samples.multimodal import multimodal_inputs
 from buffer.samples.sample import SampleConversionError, TrainingSample, sample_status
 from buffer.samples.template import (
     ChatTemplateAnalysis,
@@ -133,6 +134,7 @@ class SampleConverter:
             uid=trajectory.get("uid"),
             instance_id=trajectory.get("instance_id"),
             tools=[dict(tool) for tool in tools] if tools is not None else None,
+            multimodal_inputs=multimodal_inputs(trajectory),
         )
 
     def _tools_of(self, trajectory: Mapping[str, Any]) -> Tools | None:

@@ -28,6 +28,8 @@ class TrainingSample:
     under mask 0, or is None where the engine's are not known. ``weight_versions`` holds the engine's
     weight version of each turn of the sample (None where it reported none; empty without token
     records); ``tools`` are the tools the model was given, as the trajectory records them.
+    ``multimodal_inputs`` holds the trajectory's images (``{"images": [url, ...]}``, slime's field;
+    ``buffer.samples.multimodal``), or None.
     """
 
     tokens: list[int]
@@ -42,6 +44,7 @@ class TrainingSample:
     instance_id: Any
     weight_versions: list[Any] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
+    multimodal_inputs: dict[str, Any] | None = None
 
     @property
     def prompt_length(self) -> int:

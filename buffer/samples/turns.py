@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from buffer.samples.multimodal import multimodal_inputs
 from buffer.samples.sample import SampleConversionError, SampleStatus, TrainingSample, sample_status
 
 _SEVERITY: dict[SampleStatus, int] = {"completed": 0, "truncated": 1, "aborted": 2}
@@ -118,6 +119,7 @@ def samples_from_turns(
         raise SampleConversionError("extra_info: not an object")
     tools = trajectory.get("tools")
     found = branches(turns)
+    images = multimodal_inputs(trajectory)
     samples = []
     for index, branch in enumerate(found):
         status = sample_status(branch.finish_reason)
@@ -143,6 +145,7 @@ def samples_from_turns(
                 instance_id=trajectory.get("instance_id"),
                 weight_versions=branch.weight_versions,
                 tools=tools if isinstance(tools, list) else None,
+                multimodal_inputs=images,
             )
         )
     return samples

@@ -1,0 +1,98 @@
+"""Run any agent against a fresh gateway session, then score it: RL for agents as they are.
+
+    async with gateway_session(buffer_url, "my_task", instance_id) as session:
+        answer = await my_agent(base_url=session.base_url, api_key=session.api_key)
+        session.reward = score(answer)
+
+The agent is whatever speaks the OpenAI API (the ``openai`` SDK, LangGraph, a CLI with
+``OPENAI_BASE_URL``); the service records its calls with their token ids. Leaving the block
+ends the session: with a reward, its trajectory is written to its group; without one, or when
+the block raised, the session is discarded (and the error goes on). Inside a job of the service
+the buffer's URL is the service's own (``buffer_url=None``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from buffer.client.base import key_or_env
+from buffer.jobs import current_job
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayError(RuntimeError):
+    """The service refused to open or end a session."""
+
+
+@dataclass(slots=True)
+class GatewaySession:
+    session_id: str
+    base_url: str  # the agent's OpenAI base URL
+    api_key: str  # the agent's OpenAI API key
+    #: Set it before the block ends: a number, or named rewards. None: the session is discarded.
+    reward: float | dict[str, float] | None = None
+    #: What the end answered (``uid``, ``written``, ``duplicate``).
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+@contextlib.asynccontextmanager
+async def gateway_session(
+    buffer_url: str | None,
+    task_type: str,
+    instance_id: str | int,
+    *,
+    remote_engine_url: str | list[str] | None = None,
+    metadata: dict[str, Any] | None = None,
+    api_key: str | None = None,
+    timeout_s: float = 60.0,
+) -> AsyncIterator[GatewaySession]:
+    """A session of the rollout buffer at ``buffer_url`` (None: this job's service), ended on exit."""
+    if buffer_url is None:
+        job = current_job()
+        if job is None or job.buffer_url is None:
+            raise ValueError("buffer_url is required outside a job of the rollout buffer service")
+        buffer_url = job.buffer_url
+    headers = {}
+    if key := key_or_env(api_key):
+        headers["authorization"] = f"Bearer {key}"
+    body: dict[str, Any] = {"task_type": task_type, "instance_id": instance_id, "metadata": metadata or {}}
+    if remote_engine_url is not None:
+        body["remote_engine_url"] = remote_engine_url
+    async with httpx.AsyncClient(
+        base_url=buffer_url.rstrip("/"), headers=headers, timeout=timeout_s
+    ) as client:
+        opened = await _post(client, "/sessions", body)
+        session = GatewaySession(opened["session_id"], opened["base_url"], opened["api_key"])
+        path = f"/sessions/{session.session_id}/end"
+        try:
+            yield session
+        except BaseException:
+            with contextlib.suppress(httpx.HTTPError, GatewayError):
+                await _post(client, path, {"discard": True})
+            raise
+        if session.reward is None:
+            logger.warning("session %s ended without a reward: discarded", session.session_id)
+            session.result = await _post(client, path, {"discard": True})
+        else:
+            session.result = await _post(client, path, {"reward": session.reward})
+
+
+async def _post(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = await client.post(path, json=body)
+    try:
+        answer = response.json()
+    except ValueError:
+        answer = {}
+    if response.is_error or not answer.get("success", False):
+        raise GatewayError(
+            f"POST {path}: HTTP {response.status_code}: {answer.get('message', response.text[:300])}"
+        )
+    data: dict[str, Any] = answer.get("data") or {}
+    return data
