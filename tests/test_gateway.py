@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -344,3 +345,22 @@ def test_a_session_names_an_engine_or_its_task_has_one(make_client: Any) -> None
     )
     assert bad.status_code == 422
     assert "remote_engine_urls.0" in bad.text
+
+
+@pytest.mark.e2e
+def test_the_example_generator_trains_an_unmodified_sdk_agent_through_the_gateway(
+    process: Any, engine: str
+) -> None:
+    buffer_url = process("buffer.py", "--log-level", "warning", name="buffer")
+    with httpx.Client(base_url=buffer_url, timeout=30, trust_env=False) as client:
+        job = client.post(
+            "/start_rollout",
+            json={"task_type": "openai_agent", "remote_engine_url": engine, "num_repeat_per_sample": 2},
+        ).json()
+        deadline = time.monotonic() + 60
+        while (done := client.get(f"/jobs/{job['job_id']}").json()["data"])["status"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        task = client.get("/buffer/stats").json()["data"]["meta_info"]["tasks"]["openai_agent"]
+    assert done["status"] == "succeeded", done
+    assert task["total_written"] == 64  # 32 problems of generator/data/calculator.jsonl, twice
