@@ -138,8 +138,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--log-level", default="warning")
     args = parser.parse_args()
-    uvicorn.run(create_engine_app(), host=args.host, port=args.port, log_level="warning", access_log=False)
+    app = create_engine_app()
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
 
 
 if __name__ == "__main__":
