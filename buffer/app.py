@@ -96,7 +96,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 logger.info("the buffer is on disk in %s", settings.data_dir)
 
     app = FastAPI(title="rollout-buffer", version=__version__, lifespan=lifespan)
-    app.router.routes[:0] = writes.ROUTES  # first: matched before any other route is tried
+    app.router.routes[:0] = writes.ROUTES + sessions.ROUTES  # first: matched before any other route
     for module in (rollout, trajectories, export, jobs, service, metrics, dashboard, tail, sessions):
         app.include_router(module.router)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
@@ -194,6 +194,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schema["paths"].update(writes.OPENAPI_PATHS)
+        schema["paths"].update(sessions.OPENAPI_PATHS)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         trajectory = TRAJECTORY.json_schema(ref_template="#/components/schemas/{model}")
         components.update(trajectory.pop("$defs", {}))

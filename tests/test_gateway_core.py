@@ -14,7 +14,7 @@ from buffer.gateway.assembly import assemble
 from buffer.gateway.images import ImagePolicy, ImageTooLarge
 from buffer.gateway.proxy import for_agent, stream_chunks
 from buffer.gateway.sessions import EVENT_KIND, Call, SessionStore
-from buffer.gateway.tree import parent_of, path_to
+from buffer.gateway.tree import continued, parent_of, path_to
 from buffer.journal import Journal
 from buffer.rollout_buffer import RolloutBuffer
 
@@ -34,7 +34,7 @@ def call(messages: list[dict[str, Any]], reply: dict[str, Any], parent: int | No
 
 def test_an_sdk_resending_a_reply_with_its_own_fields_still_continues_it() -> None:
     sent_back = {**REPLY, "tool_calls": [{**CALL, "id": "renumbered"}], "refusal": None, "content": ""}
-    calls = [call([USER], REPLY, None, 10)]
+    calls = {continued(call([USER], REPLY, None, 10)): 0}
     assert parent_of(calls, [USER, sent_back, {"role": "tool", "content": "5"}]) == 0
     assert parent_of(calls, [USER]) is None  # a retry: a sibling, not a child
     other = {**REPLY, "tool_calls": [{**CALL, "function": {"name": "calculator", "arguments": "{}"}}]}

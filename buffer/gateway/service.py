@@ -198,7 +198,7 @@ class Gateway:
                 "output_logprobs": tokens.output_logprobs,
                 "weight_version": tokens.weight_version,
             },
-            parent=parent_of(session.calls, kept),
+            parent=parent_of(session.continuations, kept),
             at=self._clock(),
         )
         header = {"e": EVENT_KIND, "op": "call", "id": session.session_id}

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import orjson
 
+from buffer.gateway.tree import continued
 from buffer.journal import encode
 
 EVENT_KIND = "gw"
@@ -74,6 +75,8 @@ class Session:
     metadata: dict[str, Any] = field(default_factory=dict)
     calls: list[Call] = field(default_factory=list)
     reward: Any = None
+    #: ``tree.continued`` of each call -> the latest call with it: how a call's parent is found.
+    continuations: dict[bytes, int] = field(default_factory=dict)
 
     def open_header(self) -> dict[str, Any]:
         return {
@@ -96,7 +99,7 @@ class SessionStore:
 
     def __init__(self) -> None:
         self.sessions: dict[str, Session] = {}
-        self.closed: dict[str, int] = {"written": 0, "discarded": 0, "timed_out": 0}
+        self.closed: dict[str, int] = {"written": 0, "discarded": 0}
 
     def get(self, session_id: str) -> Session | None:
         return self.sessions.get(session_id)
@@ -123,6 +126,7 @@ class SessionStore:
             return
         if op == "call":
             call = Call.from_json(parts[0])
+            session.continuations[continued(call)] = len(session.calls)
             session.calls.append(call)
             session.last_at = max(session.last_at, call.at)
         elif op == "reward":

@@ -10,12 +10,14 @@ SDKs re-number tool call ids, add ``refusal: null`` and the like).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from buffer.gateway.sessions import Call
+if TYPE_CHECKING:
+    from buffer.gateway.sessions import Call
 
 
 def message_key(message: dict[str, Any]) -> bytes:
@@ -33,24 +35,31 @@ def message_key(message: dict[str, Any]) -> bytes:
     return orjson.dumps([message.get("role"), content, calls], option=orjson.OPT_SORT_KEYS)
 
 
-def parent_of(calls: Sequence[Call], messages: Sequence[dict[str, Any]]) -> int | None:
+def prefix_digests(messages: Sequence[dict[str, Any]]) -> list[bytes]:
+    """A digest of each prefix of ``messages`` (``[i]``: of the first ``i + 1``), chained, so
+    a call's parent is found by lookups, not by comparing it with every earlier call."""
+    digests: list[bytes] = []
+    previous = b""
+    for message in messages:
+        previous = hashlib.blake2b(previous + message_key(message), digest_size=16).digest()
+        digests.append(previous)
+    return digests
+
+
+def continued(call: Call) -> bytes:
+    """The digest of a call's messages and its reply: what a call continuing it starts with."""
+    return prefix_digests([*call.messages, call.reply])[-1]
+
+
+def parent_of(index: dict[bytes, int], messages: Sequence[dict[str, Any]]) -> int | None:
     """The earlier call whose messages and reply begin ``messages``: the longest such (the
-    latest among equals), or ``None`` for a new root."""
-    keys: list[bytes] | None = None
-    best: int | None = None
-    best_length = -1
-    for index in range(len(calls) - 1, -1, -1):
-        call = calls[index]
-        length = len(call.messages) + 1
-        if length > len(messages) or length <= best_length:
-            continue
-        if keys is None:
-            keys = [message_key(message) for message in messages]
-        if message_key(call.reply) != keys[len(call.messages)]:
-            continue
-        if all(message_key(m) == keys[i] for i, m in enumerate(call.messages)):
-            best, best_length = index, length
-    return best
+    latest among equals), or ``None`` for a new root. ``index`` maps ``continued`` of each
+    earlier call to it (the latest wins)."""
+    for digest in reversed(prefix_digests(messages)):
+        found = index.get(digest)
+        if found is not None:
+            return found
+    return None
 
 
 def path_to(calls: Sequence[Call], end: int) -> list[int]:
