@@ -5,6 +5,7 @@ exactly what the engine received and sampled."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import sys
 import time
@@ -364,3 +365,85 @@ def test_the_example_generator_trains_an_unmodified_sdk_agent_through_the_gatewa
         task = client.get("/buffer/stats").json()["data"]["meta_info"]["tasks"]["openai_agent"]
     assert done["status"] == "succeeded", done
     assert task["total_written"] == 64  # 32 problems of generator/data/calculator.jsonl, twice
+
+
+def test_a_paused_generation_is_waited_out_when_it_resumes_in_time(make_client: Any, engine: str) -> None:
+    class Resuming:
+        def __init__(self) -> None:
+            self.waited: list[float] = []
+
+        def is_paused(self) -> bool:
+            return True
+
+        async def wait_resumed(self, timeout_s: float) -> bool:
+            self.waited.append(timeout_s)
+            return True
+
+    client = make_client(group_size=2)
+    gate = Resuming()
+    client.app.state.gateway.pause_gate = gate
+    session = open_session(client, engine)
+    answer = sdk(client, session).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "hi"}]
+    )
+    assert answer.choices[0].message.content == "Hello."
+    assert gate.waited == [GatewayConfig().pause_wait_s]
+    assert sdk(client, session).models.list().data[0].id == "loopback"
+
+
+@pytest.mark.e2e
+def test_a_killed_service_comes_back_with_every_answered_call(
+    tmp_path: Path, generator_dir: Path, engine: str
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [
+        sys.executable,
+        "buffer.py",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    command += [
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--group-size",
+        "2",
+        "--generator-dir",
+        str(generator_dir),
+    ]
+    before = len(engine_log(engine))
+    with contextlib.ExitStack() as stack:
+        running = stack.enter_context(started(command, "buffer", tmp_path / "buffer.log"))
+        wait_ready(f"{url}/health", running, 60, "the buffer")
+        session = httpx.post(
+            f"{url}/sessions", json={"task_type": "agent", "instance_id": "q1", "remote_engine_url": engine}
+        ).json()["data"]
+        agent = stack.enter_context(
+            openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
+        )
+        question = {"role": "user", "content": "Compute 2 + 3."}
+        first = agent.chat.completions.create(model="policy", messages=[question], tools=TOOLS)
+        running.kill()  # no shutdown: only what was acknowledged is on disk
+        running.wait()
+        running = stack.enter_context(started(command, "buffer", tmp_path / "buffer-2.log"))
+        wait_ready(f"{url}/health", running, 60, "the buffer")
+        reply = first.choices[0].message
+        history = [
+            question,
+            reply.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "5"},
+        ]
+        agent.chat.completions.create(model="policy", messages=history, tools=TOOLS)
+        ended = httpx.post(f"{url}/sessions/{session['session_id']}/end", json={"reward": 1.0}).json()
+        assert ended["data"]["written"], ended
+        companion = {"instance_id": "q1", "task_type": "agent", "reward": 0.0}
+        companion["messages"] = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        httpx.post(f"{url}/buffer/write", json=companion).raise_for_status()
+        items = httpx.post(f"{url}/get_rollout_data", json={"task_type": "agent"}).json()["data"]["data"]
+    (trajectory,) = [item for item in items if str(item["uid"]).startswith("session-")]
+    assert trajectory["extra_info"]["gateway"]["parents"] == [None, 0]
+    assert_token_faithful(trajectory, engine_log(engine)[before:])
