@@ -447,3 +447,20 @@ def test_a_killed_service_comes_back_with_every_answered_call(
     (trajectory,) = [item for item in items if str(item["uid"]).startswith("session-")]
     assert trajectory["extra_info"]["gateway"]["parents"] == [None, 0]
     assert_token_faithful(trajectory, engine_log(engine)[before:])
+
+
+def test_a_session_takes_its_engine_and_timeout_from_its_task(make_client: Any, engine: str) -> None:
+    client = make_client(group_size=2)
+    gateway = client.app.state.gateway
+    task = {"remote_engine_url": engine, "session_timeout_s": "5", "session_on_timeout": "write"}
+    client.app.state.services.buffer.job_started("agent", "agent_generator", task)  # as /start_rollout does
+    session = client.post("/sessions", json={"task_type": "agent", "instance_id": "q1"}).json()["data"]
+    sdk(client, session).chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    client.post(f"/sessions/{session['session_id']}/reward", json={"reward": 1.0})
+    clock = gateway._clock
+    gateway._clock = lambda: clock() + 4
+    assert gateway.expire() == 0
+    gateway._clock = lambda: clock() + 6
+    assert gateway.expire() == 1
+    (trajectory,) = read_all(client)
+    assert trajectory["messages"][-1]["content"] == "Hello."

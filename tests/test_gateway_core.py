@@ -145,3 +145,13 @@ def test_a_large_image_is_kept_by_reference_and_a_huge_one_refused(tmp_path: Pat
     huge = "data:image/png;base64," + base64.b64encode(b"x" * 200).decode()
     with pytest.raises(ImageTooLarge):
         policy.keep([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": huge}}]}])
+
+
+def test_an_engine_without_token_ids_leaves_the_trajectory_text_only() -> None:
+    from buffer.gateway.sessions import Session
+
+    session = Session("s", "agent", "q", "http://e", "k", 60.0, "discard", 0.0, 0.0)
+    session.calls = [Call([USER], None, {}, {"role": "assistant", "content": "5"}, "stop", None, None, 0.0)]
+    trajectory = assemble(session, 1.0)
+    assert "turns" not in trajectory
+    assert trajectory["messages"][-1] == {"role": "assistant", "content": "5", "generated": True}

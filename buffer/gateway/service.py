@@ -133,8 +133,8 @@ class Gateway:
             instance_id=instance_id,
             engine_url=engine,
             api_key="sk-session-" + secrets.token_urlsafe(24),
-            timeout_s=float(timeout_s or job.get("session_timeout_s") or self.config.timeout_s),
-            on_timeout=on_timeout or job.get("session_on_timeout") or self.config.on_timeout,
+            timeout_s=timeout_s or _positive(job.get("session_timeout_s")) or self.config.timeout_s,
+            on_timeout=on_timeout or _on_timeout(job.get("session_on_timeout")) or self.config.on_timeout,
             created_at=now,
             last_at=now,
             metadata=metadata,
@@ -272,6 +272,23 @@ class Gateway:
             )
             self._close(session, how)
         return len(expired)
+
+
+def _positive(value: Any) -> float | None:
+    """A task's ``session_timeout_s`` (slime sends numbers as strings), or None."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if number > 0 else None
+
+
+def _on_timeout(value: Any) -> OnTimeout | None:
+    if value == "write":
+        return "write"
+    if value == "discard":
+        return "discard"
+    return None
 
 
 _NOT_SAMPLING = frozenset({"messages", "tools", "stream", "stream_options", "tool_choice"})
