@@ -8,7 +8,8 @@ With a journal attached (``--data-dir``), every change is appended to it under t
 the order it was made: a write (``w``), a group's outcome (``fin``), a read (``read``), a
 task's settings (``task``), a duplicate (``dup``). ``restore`` replays them through the same
 code; ``snapshot`` writes the state out as records (``open``, ``ready``, ``aside``,
-``task_state``, ``state``) that ``restore`` reads back the same way.
+``task_state``, ``state``) that ``restore`` reads back the same way. Extensions (the
+gateway's sessions) journal their own events beside these (``add_extension``, ``log_event``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from buffer.stats import RewardStats
 from buffer.task import InstanceId, ReadyGroup, Record, SetAsideGroup, TaskBuffer, TaskSettings
 
 DEFAULT_TASK = "default"
+#: The journal event kinds of extensions (``add_extension``) start with it.
+EXTENSION_PREFIX = "x:"
 
 
 class Extension(Protocol):
@@ -99,6 +102,7 @@ class RolloutBuffer:
         self.recent: deque[tuple[int, str, InstanceId, str, float, float]] = deque(maxlen=recent)
         self._written_seq = 0
         self._extensions: dict[str, Extension] = {}
+        self._unclaimed: list[bytes] = []  # events of extensions not added: a compaction keeps them
 
     # -- tasks -------------------------------------------------------------------------
 
@@ -451,8 +455,11 @@ class RolloutBuffer:
     # -- extensions --------------------------------------------------------------------
 
     def add_extension(self, kind: str, extension: Extension) -> None:
-        """Journal ``extension``'s events (header ``{"e": kind, ...}``) with the buffer's own;
-        before ``restore``, for its events to be replayed."""
+        """Journal ``extension``'s events (header ``{"e": kind, ...}``, ``kind`` starting with
+        ``EXTENSION_PREFIX``) with the buffer's own; before ``restore``, for its events to be
+        replayed. Events of an extension not added are kept as they are."""
+        if not kind.startswith(EXTENSION_PREFIX):
+            raise ValueError(f"an extension's event kind starts with {EXTENSION_PREFIX!r}: {kind!r}")
         self._extensions[kind] = extension
 
     def log_event(self, header: dict[str, Any], parts: Sequence[bytes] = ()) -> None:
@@ -488,9 +495,12 @@ class RolloutBuffer:
     def _apply(self, event: Event, monotonic_of: Callable[[float], float]) -> None:
         header = event.header
         kind = header["e"]
-        extension = self._extensions.get(kind)
-        if extension is not None:
-            extension.apply(header, event.parts())
+        if kind.startswith(EXTENSION_PREFIX):
+            extension = self._extensions.get(kind)
+            if extension is not None:
+                extension.apply(header, event.parts())
+            else:  # a tool that replays without the extension: kept, and written out again
+                self._unclaimed.append(encode(header, event.parts()))
         elif kind == "w":
             task, instance_id, wall = self._task(header["t"]), header["i"], header["at"]
             record = Record(header["u"], header["r"], event.payload)
@@ -592,6 +602,7 @@ class RolloutBuffer:
                 "uids": list(self._uid_order),
             }
             extensions = [extension.snapshot() for extension in self._extensions.values()]
+            extensions.append(iter(list(self._unclaimed)))
 
         def records() -> Iterator[bytes]:
             for task in tasks:

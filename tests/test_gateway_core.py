@@ -155,3 +155,29 @@ def test_an_engine_without_token_ids_leaves_the_trajectory_text_only() -> None:
     trajectory = assemble(session, 1.0)
     assert "turns" not in trajectory
     assert trajectory["messages"][-1] == {"role": "assistant", "content": "5", "generated": True}
+
+
+def test_a_replay_without_the_gateway_keeps_its_sessions_through_a_compaction(tmp_path: Path) -> None:
+    buffer, store = RolloutBuffer(), SessionStore()
+    buffer.add_extension(EVENT_KIND, store)
+    journal = Journal(tmp_path, sync=False)
+    buffer.restore(journal.recover())
+    buffer.attach(journal)
+    header = {"e": EVENT_KIND, "op": "open", "id": "s", "t": "agent", "i": 7, "engine": "http://e"}
+    buffer.log_event({**header, "key": "k", "timeout_s": 60.0, "on_timeout": "write", "at": 1.0})
+    journal.wait_durable_blocking()
+    journal.close()
+
+    bare = RolloutBuffer()  # a tool that replays the journal knowing nothing of the gateway
+    journal = Journal(tmp_path, sync=False)
+    bare.restore(journal.recover())
+    bare.attach(journal)
+    journal.compact()
+    journal.close()
+
+    buffer, store = RolloutBuffer(), SessionStore()
+    buffer.add_extension(EVENT_KIND, store)
+    journal = Journal(tmp_path, sync=False)
+    buffer.restore(journal.recover())
+    journal.close()
+    assert store.sessions["s"].instance_id == 7

@@ -1,6 +1,6 @@
 """The sessions' state, changed only by events, so the journal can replay it.
 
-Every change is an event ``{"e": "gw", "op": ...}`` that ``RolloutBuffer.log_event`` applies
+Every change is an event ``{"e": "x:gateway", "op": ...}`` that ``RolloutBuffer.log_event`` applies
 here and appends to the journal under the buffer's lock, in one step: what the state holds is
 exactly what the journal will replay. The events:
 
@@ -23,7 +23,7 @@ import orjson
 from buffer.gateway.tree import continued
 from buffer.journal import encode
 
-EVENT_KIND = "gw"
+EVENT_KIND = "x:gateway"
 OnTimeout = Literal["write", "discard"]
 
 
