@@ -16,8 +16,7 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from buffer.toolkit import calculate, read_rows
-from buffer.toolkit.gateway import gateway_session
+from buffer.toolkit import calculate, gateway_session, read_rows
 
 TASK_TYPE = "openai_agent"
 

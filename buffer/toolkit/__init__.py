@@ -13,6 +13,7 @@ from buffer.toolkit.agent import Tool, run_tools, single_turn
 from buffer.toolkit.arithmetic import calculate
 from buffer.toolkit.dataset import Plan, derive_seed, prompt_messages, read_rows
 from buffer.toolkit.failfast import MisconfiguredEngine
+from buffer.toolkit.gateway import GatewayError, GatewaySession, gateway_session
 from buffer.toolkit.llm import ChatClient, ContinuePolicy, EngineClient, LLMError, RetryPolicy
 from buffer.toolkit.records import turn_records
 from buffer.toolkit.rewards import (
@@ -41,6 +42,8 @@ __all__ = [
     "ContinuePolicy",
     "EngineClient",
     "Episode",
+    "GatewayError",
+    "GatewaySession",
     "HttpSink",
     "LLMError",
     "LocalSink",
@@ -63,6 +66,7 @@ __all__ = [
     "choice_reward",
     "derive_seed",
     "extract_boxed",
+    "gateway_session",
     "hermes_tool_calls",
     "load_tokenizer",
     "open_sink",
