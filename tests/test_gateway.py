@@ -224,6 +224,8 @@ def test_a_retried_call_makes_a_tree_and_the_path_that_ended_is_trained(
         {"role": "tool", "tool_call_id": call.id, "content": "42"},
     ]
     agent.chat.completions.create(model="policy", messages=history, tools=TOOLS)
+    recorded = client.app.state.gateway.store.sessions[session["session_id"]].calls
+    assert recorded[2].messages == history[2:]  # each message is kept once, not once per call
     client.post(f"/sessions/{session['session_id']}/end", json={"reward": 1.0})
     (trajectory,) = read_all(client)
     gateway = trajectory["extra_info"]["gateway"]

@@ -34,11 +34,11 @@ def call(messages: list[dict[str, Any]], reply: dict[str, Any], parent: int | No
 
 def test_an_sdk_resending_a_reply_with_its_own_fields_still_continues_it() -> None:
     sent_back = {**REPLY, "tool_calls": [{**CALL, "id": "renumbered"}], "refusal": None, "content": ""}
-    calls = {continued(call([USER], REPLY, None, 10)): 0}
-    assert parent_of(calls, [USER, sent_back, {"role": "tool", "content": "5"}]) == 0
-    assert parent_of(calls, [USER]) is None  # a retry: a sibling, not a child
+    calls = {continued(call([USER], REPLY, None, 10), b""): 0}
+    assert parent_of(calls, [USER, sent_back, {"role": "tool", "content": "5"}]) == (0, 2)
+    assert parent_of(calls, [USER]) == (None, 0)  # a retry: a sibling, not a child
     other = {**REPLY, "tool_calls": [{**CALL, "function": {"name": "calculator", "arguments": "{}"}}]}
-    assert parent_of(calls, [USER, other, {"role": "tool", "content": "5"}]) is None
+    assert parent_of(calls, [USER, other, {"role": "tool", "content": "5"}]) == (None, 0)
 
 
 def test_the_trajectory_follows_the_path_that_ended() -> None:
@@ -50,7 +50,7 @@ def test_the_trajectory_follows_the_path_that_ended() -> None:
     session.calls = [
         call([USER], REPLY, None, 10),
         call([USER], REPLY, None, 20),
-        call([USER, REPLY, tool], answer, 1, 30),
+        call([tool], answer, 1, 30),  # the messages after its parent's messages and reply
     ]
     assert path_to(session.calls, 2) == [1, 2]
     trajectory = assemble(session, 1.0)

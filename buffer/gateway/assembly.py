@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from buffer.gateway.sessions import Call, Session
-from buffer.gateway.tree import path_to
+from buffer.gateway.tree import path_to, whole_messages
 
 FINISH_REASONS = frozenset({"stop", "length", "abort", "tool_calls"})
 
@@ -37,12 +37,13 @@ def assemble(session: Session, reward: Any, *, end: int | None = None) -> dict[s
         raise IndexError(f"the session has calls 0 to {len(calls) - 1}, not {end}")
     path = path_to(calls, end)
     last = calls[end]
-    messages: list[dict[str, Any]] = [dict(message) for message in last.messages]
+    messages: list[dict[str, Any]] = [dict(message) for message in whole_messages(calls, end)]
     messages.append(_reply(last))
     turns: list[dict[str, Any]] | None = []
+    position = -1
     for index in path:
         call = calls[index]
-        position = len(call.messages)
+        position += len(call.messages) + 1  # the call's own messages, then its reply
         messages[position] = _reply(call)
         if turns is not None and call.tokens is not None:
             turns.append(_turn(call, position))

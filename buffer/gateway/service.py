@@ -184,8 +184,9 @@ class Gateway:
         if self.store.get(session.session_id) is not session:
             raise UnknownSession(session.session_id)  # ended while the engine answered
         tools = body.get("tools")
+        parent, shared = parent_of(session.continuations, kept)
         call = Call(
-            messages=kept,
+            messages=kept[shared:],
             tools=tools if isinstance(tools, list) else None,
             sampling={k: v for k, v in body.items() if k not in _NOT_SAMPLING},
             reply=reply,
@@ -198,7 +199,7 @@ class Gateway:
                 "output_logprobs": tokens.output_logprobs,
                 "weight_version": tokens.weight_version,
             },
-            parent=parent_of(session.continuations, kept),
+            parent=parent,
             at=self._clock(),
         )
         header = {"e": EVENT_KIND, "op": "call", "id": session.session_id}

@@ -29,7 +29,10 @@ OnTimeout = Literal["write", "discard"]
 
 @dataclass(slots=True)
 class Call:
-    """One chat completion the agent made: what the engine was sent and what it answered."""
+    """One chat completion the agent made: what the engine was sent and what it answered.
+
+    ``messages`` are those after the parent's messages and reply (all of them for a root):
+    a session of n turns keeps each message once, not n times (``tree.whole_messages``)."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
@@ -77,6 +80,8 @@ class Session:
     reward: Any = None
     #: ``tree.continued`` of each call -> the latest call with it: how a call's parent is found.
     continuations: dict[bytes, int] = field(default_factory=dict)
+    #: ``tree.continued`` of each call, by index.
+    digests: list[bytes] = field(default_factory=list)
 
     def open_header(self) -> dict[str, Any]:
         return {
@@ -126,7 +131,9 @@ class SessionStore:
             return
         if op == "call":
             call = Call.from_json(parts[0])
-            session.continuations[continued(call)] = len(session.calls)
+            digest = continued(call, b"" if call.parent is None else session.digests[call.parent])
+            session.continuations[digest] = len(session.calls)
+            session.digests.append(digest)
             session.calls.append(call)
             session.last_at = max(session.last_at, call.at)
         elif op == "reward":

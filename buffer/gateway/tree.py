@@ -35,31 +35,46 @@ def message_key(message: dict[str, Any]) -> bytes:
     return orjson.dumps([message.get("role"), content, calls], option=orjson.OPT_SORT_KEYS)
 
 
-def prefix_digests(messages: Sequence[dict[str, Any]]) -> list[bytes]:
-    """A digest of each prefix of ``messages`` (``[i]``: of the first ``i + 1``), chained, so
-    a call's parent is found by lookups, not by comparing it with every earlier call."""
+def prefix_digests(messages: Sequence[dict[str, Any]], start: bytes = b"") -> list[bytes]:
+    """A digest of each prefix of ``messages`` (``[i]``: of the first ``i + 1``), chained from
+    ``start`` (the digest of what comes before them), so a call's parent is found by lookups,
+    not by comparing it with every earlier call."""
     digests: list[bytes] = []
-    previous = b""
+    previous = start
     for message in messages:
         previous = hashlib.blake2b(previous + message_key(message), digest_size=16).digest()
         digests.append(previous)
     return digests
 
 
-def continued(call: Call) -> bytes:
-    """The digest of a call's messages and its reply: what a call continuing it starts with."""
-    return prefix_digests([*call.messages, call.reply])[-1]
+def continued(call: Call, parent_digest: bytes) -> bytes:
+    """The digest of a call's whole messages and its reply (what a call continuing it starts
+    with), from ``parent_digest``, its parent's (``b""`` for a root)."""
+    return prefix_digests([*call.messages, call.reply], parent_digest)[-1]
 
 
-def parent_of(index: dict[bytes, int], messages: Sequence[dict[str, Any]]) -> int | None:
-    """The earlier call whose messages and reply begin ``messages``: the longest such (the
-    latest among equals), or ``None`` for a new root. ``index`` maps ``continued`` of each
-    earlier call to it (the latest wins)."""
-    for digest in reversed(prefix_digests(messages)):
-        found = index.get(digest)
+def parent_of(index: dict[bytes, int], messages: Sequence[dict[str, Any]]) -> tuple[int | None, int]:
+    """The earlier call whose messages and reply begin ``messages`` (the longest such, the
+    latest among equals) and how many messages that is; ``(None, 0)`` for a new root.
+    ``index`` maps the ``continued`` digest of each earlier call to it (the latest wins)."""
+    digests = prefix_digests(messages)
+    for length in range(len(digests), 0, -1):
+        found = index.get(digests[length - 1])
         if found is not None:
-            return found
-    return None
+            return found, length
+    return None, 0
+
+
+def whole_messages(calls: Sequence[Call], index: int) -> list[dict[str, Any]]:
+    """A call's messages in full: each call keeps only those after its parent's messages and
+    reply (the parent's reply stands for the agent's copy of it, equal as the engine renders)."""
+    chain = path_to(calls, index)
+    messages: list[dict[str, Any]] = []
+    for position, step in enumerate(chain):
+        if position:
+            messages.append(calls[chain[position - 1]].reply)
+        messages.extend(calls[step].messages)
+    return messages
 
 
 def path_to(calls: Sequence[Call], end: int) -> list[int]:
