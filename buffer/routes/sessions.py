@@ -12,6 +12,7 @@ GET  /images/{sha256}                           an image a trajectory keeps by r
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -78,6 +79,24 @@ async def open_session(body: OpenSession, request: Request) -> Response:
             "api_key": session.api_key,
         },
     )
+
+
+@router.get("/sessions")
+async def list_sessions(request: Request) -> Response:
+    """The open sessions (task, instance, calls, age) and how many were written or discarded."""
+    store = _gateway(request).store
+    now = time.time()
+    sessions = [
+        {
+            "session_id": s.session_id,
+            "task_type": s.task_type,
+            "instance_id": s.instance_id,
+            "calls": len(s.calls),
+            "idle_s": round(now - s.last_at, 3),
+        }
+        for s in list(store.sessions.values())
+    ]
+    return envelope(True, f"{len(sessions)} open", {"open": sessions, "closed": dict(store.closed)})
 
 
 @router.get("/sessions/{session_id}")
