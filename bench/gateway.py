@@ -5,7 +5,8 @@ Two processes: the stand-in engine that answers with token ids in vLLM's shape
 buffer. ``--concurrency`` agents each open a session and make chat completions back to back,
 first straight to the engine (with the same capture fields the gateway adds, so the engine
 does the same work), then through their sessions. The gateway's cost per call is the
-difference of the medians; the p90s are printed too. With ``--data-dir`` every call is
+difference of the medians; the p90s, and the service's CPU time per proxied call (what
+bounds the calls a core can proxy), are printed too. With ``--data-dir`` every call is
 journaled and acknowledged once on disk (``--durability`` as the service's).
 
     .venv/bin/python bench/gateway.py                         # 8 agents, 2,000 calls each way
@@ -45,7 +46,9 @@ async def timed_calls(
     return latencies
 
 
-async def run(engine_url: str, buffer_url: str, concurrency: int, calls: int) -> dict[str, list[float]]:
+async def run(
+    engine_url: str, buffer_url: str, concurrency: int, calls: int, buffer_pid: int
+) -> dict[str, list[float]]:
     transport = AiohttpTransport(limits=httpx.Limits(max_connections=concurrency * 2))
     async with httpx.AsyncClient(transport=transport, timeout=60.0, trust_env=False) as client:
         sessions = []
@@ -80,8 +83,10 @@ async def run(engine_url: str, buffer_url: str, concurrency: int, calls: int) ->
             )
             for s in sessions
         ]
+        cpu_before = common.cpu_seconds(buffer_pid)
         for lists in await asyncio.gather(*gateway):
             results["gateway"] += lists
+        results["cpu_s"] = [common.cpu_seconds(buffer_pid) - cpu_before]
         for s in sessions:
             await client.post(f"{buffer_url}/sessions/{s['session_id']}/end", json={"discard": True})
         return results
@@ -109,7 +114,9 @@ def main() -> None:
         extra += ["--data-dir", args.data_dir, "--durability", args.durability]
     engine = common.Server(module="tests.loopback_engine")
     with engine, common.Server(extra_args=extra) as server:
-        results: dict[str, Any] = asyncio.run(run(engine.url, server.url, args.concurrency, args.calls))
+        results: dict[str, Any] = asyncio.run(
+            run(engine.url, server.url, args.concurrency, args.calls, server.pid)
+        )
     direct, gateway = results["direct"], results["gateway"]
     print(f"{len(gateway)} calls each way, {args.concurrency} agents in parallel, on {common.CPUS} CPUs")
     for name, values in (("engine directly", direct), ("through the gateway", gateway)):
@@ -117,6 +124,8 @@ def main() -> None:
         print(f"{name:>20}: median {median_ms:.2f} ms, p90 {p90_ms:.2f} ms")
     added_ms = (statistics.median(gateway) - statistics.median(direct)) * 1000
     print(f"the gateway adds {added_ms:.2f} ms at the median per proxied call")
+    cpu_us = results["cpu_s"][0] / len(gateway) * 1e6
+    print(f"the service's CPU per proxied call: {cpu_us:.0f} us")
     if temporary is not None:
         temporary.cleanup()
 
