@@ -27,7 +27,13 @@ from buffer.registry import GeneratorRegistry
 from buffer.responses import envelope
 from buffer.rollout_buffer import RolloutBuffer
 from buffer.routes import dashboard, export, jobs, metrics, rollout, service, tail, trajectories, writes
-from buffer.security import ApiKeyMiddleware, BodySizeLimitMiddleware, required_key, warn_if_exposed
+from buffer.security import (
+    ApiKeyMiddleware,
+    BodySizeLimitMiddleware,
+    BrowserGuardMiddleware,
+    required_key,
+    warn_if_exposed,
+)
 from buffer.services import Services, local_url
 from buffer.settings import Settings
 from buffer.signals import ReadySignal
@@ -47,6 +53,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             hooks_for=registry.hooks_for,
             dedup_window=settings.dedup_window,
             max_buffered=settings.max_buffered_trajectories,
+            max_tasks=settings.max_tasks,
+            one_group_per_instance=settings.one_group_per_instance,
         )
         journal = None if settings.data_dir is None else await asyncio.to_thread(_restore, buffer, settings)
         ready = ReadySignal()
@@ -81,6 +89,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (rollout, trajectories, export, jobs, service, metrics, dashboard, tail):
         app.include_router(module.router)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BrowserGuardMiddleware, allowed_origins=settings.allowed_origins)
     if (key := required_key(settings)) is not None:  # no key: no middleware, no cost
         app.add_middleware(ApiKeyMiddleware, api_key=key)
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so a 401 or 413 has an id too
