@@ -62,7 +62,7 @@ class History:
             return None
         self._last = now
         names = buffer.active_tasks(self._keep_tasks)
-        if buffer.current_task not in names:
+        if buffer.current_task not in names and buffer.has_task(buffer.current_task):
             names = [buffer.current_task, *names[: self._keep_tasks - 1]]
         summary = buffer.summary(names)
         entry = {

@@ -43,12 +43,14 @@ async def write_batch(request: Request) -> Response:
     svc: Services = request.app.state.services
     body = await request.body()
     if body.lstrip()[:1] == b"{":
-        items: list[Any] = parse_json(TRAJECTORY_BATCH, body)["trajectories"]
+        batch = parse_json(TRAJECTORY_BATCH, body)
+        _check_finite(body, batch)
+        items: list[Any] = batch["trajectories"]
     elif body.lstrip()[:1] == b"[":
         items = parse_json(TRAJECTORIES, body)
+        _check_finite(body, items)
     else:
         raise InvalidInput.one("body", 'must be a list of trajectories or {"trajectories": [...]}')
-    _check_finite(body, items)
     results = svc.buffer.write_many(items)
     await svc.buffer.wait_durable()
     duplicates = sum(result.duplicate for result in results)
