@@ -304,9 +304,9 @@ async def test_a_slow_metrics_scrape_does_not_hold_up_other_requests(
         return collect(self)
 
     monkeypatch.setattr(BufferCollector, "collect", slow_collect)
-    scrape = asyncio.create_task(app_client.get("/metrics"))
-    await asyncio.sleep(0.1)
     started = time.monotonic()
+    scrape = asyncio.create_task(app_client.get("/metrics"))
+    await asyncio.sleep(0.1)  # the scrape is under way
     health = await app_client.get("/health")
     answered_s = time.monotonic() - started
     assert health.status_code == 200
