@@ -47,12 +47,36 @@ class ConnectionLimits:
     max_header_bytes: int
     header_timeout_s: float
     max_connections: int
-    #: Connections still waiting for their request's headers, the longest waiting first.
-    waiting: OrderedDict[GuardedProtocol, None] = field(default_factory=OrderedDict)
+    #: Connections still waiting for their request's headers, the longest waiting first, with
+    #: the loop time they started waiting.
+    waiting: OrderedDict[GuardedProtocol, float] = field(default_factory=OrderedDict)
     open: int = 0
     closed: dict[str, int] = field(default_factory=lambda: {"evicted": 0, "timed_out": 0, "too_large": 0})
     refused: int = 0
     _reported_s: float = 0.0
+    _sweeping: bool = False
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Look for connections past their header deadline from now on. One timer a server,
+        not one a request: arming and cancelling a timer on every request would cost the
+        write path more than all the rest of this module."""
+        if not self._sweeping:
+            self._sweeping = True
+            loop.call_later(self._sweep_interval_s(), self._sweep, loop)
+
+    def _sweep_interval_s(self) -> float:
+        return min(1.0, self.header_timeout_s / 4)
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Close the connections waiting longer than ``header_timeout_s``: the oldest first,
+        stopping at the first that may wait on, so O(connections closed)."""
+        deadline = loop.time() - self.header_timeout_s
+        while self.waiting:
+            protocol, since = next(iter(self.waiting.items()))
+            if since > deadline:
+                break
+            protocol._close("timed_out")
+        loop.call_later(self._sweep_interval_s(), self._sweep, loop)
 
     def count(self, reason: str) -> None:
         self.closed[reason] += 1
@@ -99,16 +123,16 @@ class GuardedProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_bytes = 0
-        self._header_timer: asyncio.TimerHandle | None = None
+        self._waiting = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
         limits = self.limits
+        limits.watch(self.loop)
         limits.open += 1
         if limits.open > limits.max_connections:
             if limits.waiting:
-                oldest, _ = limits.waiting.popitem(last=False)
-                oldest._close("evicted")
+                next(iter(limits.waiting))._close("evicted")  # which takes it off the list
             else:
                 limits.refused += 1
                 self.transport.write(_BUSY)
@@ -123,7 +147,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self in self.limits.waiting and not self.transport.is_closing():
+        if self._waiting and not self.transport.is_closing():
             # Counted once what was fed has not completed the headers: a body that arrives in
             # the same read as its headers is never counted.
             self._header_bytes += len(data)
@@ -141,18 +165,15 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def _await_headers(self) -> None:
-        if self in self.limits.waiting:
-            return
-        self.limits.waiting[self] = None
-        self._header_bytes = 0
-        self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._close, "timed_out")
+        if not self._waiting:
+            self._waiting = True
+            self._header_bytes = 0
+            self.limits.waiting[self] = self.loop.time()
 
     def _headers_done(self) -> None:
-        self.limits.waiting.pop(self, None)
-        self._header_bytes = 0
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+        if self._waiting:
+            self._waiting = False
+            del self.limits.waiting[self]
 
     def _close(self, reason: str) -> None:
         self._headers_done()
