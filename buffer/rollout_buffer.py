@@ -164,10 +164,9 @@ class RolloutBuffer:
             task = self._tasks.get(task_type)
             return task.written if task else 0
 
-    def _task(self, task_type: str, field: str = "task_type") -> TaskBuffer:
+    def _task(self, task_type: str) -> TaskBuffer:
         task = self._tasks.get(task_type)
         if task is None:
-            self._check_task_room(field, task_type)
             task = self._configure(
                 task_type, self.default_settings, self._hooks_for(task_type), None, current=False
             )
@@ -233,7 +232,10 @@ class RolloutBuffer:
             return results
 
     def _prepare(self, prefix: str, item: Mapping[str, Any]) -> tuple[TaskBuffer, InstanceId, Record]:
-        task = self._task(item.get("task_type") or self._current_task, prefix + "task_type")
+        task_type = item.get("task_type") or self._current_task
+        if task_type not in self._tasks:  # checked here, not in _task: a restore creates what it finds
+            self._check_task_room(prefix + "task_type", task_type)
+        task = self._task(task_type)
         reward = item["reward"]
         if isinstance(reward, dict):
             scalar = _scalar_reward(prefix + "reward", reward, task.settings.reward_key)

@@ -372,3 +372,15 @@ def test_a_read_that_passed_groups_over_replays_the_same_after_a_restart(
     rest = read(again)["data"]["data"]
     assert [item["instance_id"] for item in rest] == ["a", "a"]
     assert not read(again)["success"]
+
+
+def test_a_data_folder_with_more_tasks_than_a_lower_limit_still_starts(
+    make_client: Callable[..., TestClient], tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    client = make_client(group_size=2, data_dir=data_dir)
+    write_all(client, [trajectory("q", task_type=f"t{index}") for index in range(5)])
+    client.__exit__(None, None, None)
+    again = make_client(group_size=2, data_dir=data_dir, max_tasks=3)
+    assert len(again.get("/health").json()["tasks"]) == 5  # nothing restored is dropped
+    assert refused_field(again.post("/buffer/write", json=trajectory("q", task_type="t9"))) == "task_type"
