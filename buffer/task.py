@@ -378,6 +378,10 @@ class TaskBuffer:
         else:
             raise ValueError(f"not a task snapshot record: {kind!r}")
 
+    def pop_ready(self) -> ReadyGroup:
+        """Take the oldest ready group."""
+        return self.take_ready([self.ready[0].seq])[0]
+
     def take_ready(self, seqs: Collection[int]) -> list[ReadyGroup]:
         """Take the ready groups numbered ``seqs`` (a read's choice), oldest first; the groups
         before them that the read passed over keep their places at the front. O(groups up to
