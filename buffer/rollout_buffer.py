@@ -358,12 +358,13 @@ class RolloutBuffer:
 
     def _choose(self, tasks: list[TaskBuffer], max_items: int | None) -> list[ReadyGroup]:
         """The groups a read takes, oldest first across ``tasks``, merged through a heap of
-        each task's next group: O(groups looked at x log tasks), nothing moved."""
-        iterators = [iter(task.ready) for task in tasks]
-        heap = [(task.ready[0].seq, index, task.ready[0]) for index, task in enumerate(tasks) if task.ready]
-        for index, task in enumerate(tasks):
-            if task.ready:
-                next(iterators[index])  # the head is in the heap already
+        each task's next group: O(groups looked at x log tasks), nothing moved. The groups
+        looked at are those returned, and the later groups of their instances passed over."""
+        iterators = [iter(task.ready) for task in tasks if task.ready]
+        heap: list[tuple[int, int, ReadyGroup]] = []
+        for index, iterator in enumerate(iterators):
+            head = next(iterator)
+            heap.append((head.seq, index, head))
         heapq.heapify(heap)
         chosen: list[ReadyGroup] = []
         instances: set[InstanceId] = set()
