@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from buffer import __version__
-from buffer.errors import RolloutBufferError
+from buffer.errors import InvalidInput, RolloutBufferError
 from buffer.history import History
 from buffer.jobs import JobManager
 from buffer.journal import Journal
@@ -175,6 +175,8 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body", said plainly
+        return await _buffer_error(request, InvalidInput.one("body", "is nested too deeply to parse"))
     return envelope(False, str(exc.detail), status_code=exc.status_code, headers=dict(exc.headers or {}))
 
 

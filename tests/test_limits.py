@@ -98,9 +98,10 @@ def test_start_rollout_refuses_deep_nesting_naming_where(
         start(client, json.dumps({"task_type": "idle", "sampling_params": {"x": nested(300)}}))
     )
     assert field.startswith("sampling_params.x.0.0")
-    # Nesting Python's own parser cannot take is refused by it: a 400, and nothing starts.
+    # Nesting Python's own parser cannot take is refused as it parses, and nothing starts.
     deeper = start(client, '{"task_type": "idle", "y": ' + "[" * 1000 + "]" * 1000 + "}")
-    assert 400 <= deeper.status_code < 500
+    assert refused_field(deeper) == "body"
+    assert "nested too deeply" in deeper.json()["message"]
     assert jobs(client) == []
 
 
