@@ -255,7 +255,7 @@ class Simulator:
             message = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
             return self.error(400, message, "BadRequestError")
         continuing = request.continue_final_message and request.messages[-1].role == "assistant"
-        tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+        tools = request.tools or []
         template_kwargs = request.chat_template_kwargs or {}
         prompt_ids = model.render(
             [_template_message(message) for message in request.messages], tools, continuing, template_kwargs

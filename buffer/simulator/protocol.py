@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class StreamOptions(BaseModel):
@@ -59,7 +59,8 @@ class ChatRequest(BaseModel):
     n: int = Field(1, ge=1, le=128)
     seed: int | None = None
     stream: bool = False
-    tools: list[ToolSpec] | None = None
+    # Kept as sent: the chat template renders each tool's JSON with its keys in their order.
+    tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -75,6 +76,13 @@ class ChatRequest(BaseModel):
     return_token_ids: bool | None = None
     return_prompt_token_ids: bool = False
     return_meta_info: bool = False
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_are_functions(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for tool in tools or []:
+            ToolSpec.model_validate(tool)
+        return tools
 
     @property
     def token_limit(self) -> int | None:
