@@ -723,6 +723,30 @@ async def test_a_continued_wrong_answer_stays_the_answer_its_steps_began() -> No
         assert rest[-1] == EOS_ID
 
 
+async def test_a_tool_call_aborted_in_a_chat_completion_is_read_whole_once_continued() -> None:
+    question: list[Any] = [{"role": "user", "content": "Compute 3 * (4 + 5)."}]
+    aborted_app = sim_app(accuracy=1.0, abort_rate=1.0)
+    [aborted] = (await chat(aborted_app, messages=question, tools=[CALCULATOR], return_token_ids=True))[
+        "choices"
+    ]
+    assert aborted["finish_reason"] == "abort"
+    assert TOOL_CALL_TEXT.startswith(aborted["message"]["content"])  # unparsed, as vLLM leaves it
+    messages = [*question, {"role": "assistant", "content": aborted["message"]["content"]}]
+    [choice] = (
+        await chat(
+            sim_app(accuracy=1.0),
+            messages=messages,
+            tools=[CALCULATOR],
+            continue_final_message=True,
+            return_token_ids=True,
+        )
+    )["choices"]
+    assert aborted["token_ids"] + choice["token_ids"] == [*encode(TOOL_CALL_TEXT), EOS_ID]
+    assert choice["finish_reason"] == "tool_calls"
+    [call] = choice["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"expression": "3 * (4 + 5)"}
+
+
 async def test_vllm_completions_refuse_an_unknown_model_and_sglang_serves_any_name() -> None:
     question: list[Any] = [{"role": "user", "content": "What is 1 + 1?"}]
     app = sim_app(engine="vllm")

@@ -279,6 +279,7 @@ class Simulator:
                 self.rng,
                 open_reply.ids if open_reply else None,
                 open_reply.text if open_reply else None,
+                logprobs=request.logprobs,
             )
             raw = output_text(model, generation, skip_special_tokens=True, keep_stop=False)
             output = parse_output(raw, thinking and raw.startswith("<think>"))
@@ -402,6 +403,7 @@ class Simulator:
                 self.rng,
                 prompt.partial_ids,
                 prompt.partial_text,
+                logprobs=request.logprobs is not None,
             )
             for _ in range(request.n)
         ]
@@ -485,6 +487,7 @@ class Simulator:
             self.rng,
             prompt.partial_ids,
             prompt.partial_text,
+            logprobs=request.return_logprob,
         )
         skip_special_tokens = bool(params.get("skip_special_tokens", True))
         text = output_text(model, generation, skip_special_tokens, keep_stop=bool(params.get("no_stop_trim")))
@@ -622,5 +625,6 @@ def _template_message(message: Any) -> dict[str, Any]:
 
 def _reply_rng(request: BaseModel, server_seed: int | None, seed: int) -> random.Random:
     """A generator determined by ``--seed``, the request's seed and everything else it asks."""
-    digest = hashlib.sha256(orjson.dumps(request.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS))
+    identity = request.identity() if isinstance(request, ChatRequest) else request.model_dump(mode="json")
+    digest = hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS))
     return random.Random(f"{server_seed}:{seed}:{digest.hexdigest()}")

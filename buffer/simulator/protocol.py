@@ -88,6 +88,32 @@ class ChatRequest(BaseModel):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def identity(self) -> dict[str, Any]:
+        """What a request's ``seed`` is combined with: the request as it has always been read.
+
+        Fields added later count only when sent, and tools as parsed, so a seeded request gets
+        the reply it got from earlier versions of the simulator (runs replay, seeded tests hold)."""
+        unsent = {name for name in _LATER_FIELDS if name not in self.model_fields_set}
+        identity = self.model_dump(mode="json", exclude=unsent)
+        if self.tools is not None:
+            identity["tools"] = [ToolSpec.model_validate(tool).model_dump(mode="json") for tool in self.tools]
+        return identity
+
+
+_LATER_FIELDS = frozenset(
+    {
+        "stop",
+        "stop_token_ids",
+        "stream_options",
+        "add_generation_prompt",
+        "chat_template_kwargs",
+        "skip_special_tokens",
+        "return_token_ids",
+        "return_prompt_token_ids",
+        "return_meta_info",
+    }
+)
+
 
 class CompletionRequest(BaseModel):
     """vLLM's ``/v1/completions``; the simulator takes a token-id prompt (or a rendered text)."""

@@ -133,8 +133,12 @@ def generate(
     fault_rng: random.Random,
     partial_ids: Sequence[int] | None = None,
     partial_text: str | None = None,
+    logprobs: bool = True,
 ) -> Generation:
-    """One choice (see the module docstring): the reply from ``reply_rng``, aborts from ``fault_rng``."""
+    """One choice (see the module docstring): the reply from ``reply_rng``, aborts from ``fault_rng``.
+
+    Logprobs are drawn only when asked for (else ``[]``), so a server seeded with ``--seed`` gives
+    the same sequence of replies to requests that do not ask as it did before they existed."""
     draft = plan.draw(reply_rng, accuracy)
     aborted = fault_rng.random() < abort_rate
     if partial_text:
@@ -155,8 +159,8 @@ def generate(
         body = ids[:-1] if ids and ids[-1] == model.eos_id else ids
         end = fault_rng.randint(1, len(body) - 1) if len(body) > 1 else 0
         ids, finish_reason, matched, stop_at = body[:end], "abort", None, None
-    logprobs = [-round(reply_rng.expovariate(4.0), 4) for _ in ids]
-    return Generation(ids, logprobs, finish_reason, matched, stop_at)
+    drawn = [-round(reply_rng.expovariate(4.0), 4) for _ in ids] if logprobs else []
+    return Generation(ids, drawn, finish_reason, matched, stop_at)
 
 
 def _draft(thinking: bool, thought: str, reply: str, answer: str | None = None) -> Draft:
