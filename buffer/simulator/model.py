@@ -12,7 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+import orjson
+
 from buffer.simulator.conversation import EMPTY_THINK, IM_START
+
+RENDER_CACHE_SIZE = 4096
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -45,6 +49,8 @@ class SimModel:
             self._backend.decode([i], skip_special_tokens=False) for i in range(self.vocab_size)
         ]
         self.special_ids = frozenset(tokenizer.all_special_ids)
+        # The prompts of a group's samples are the same: rendered once (oldest dropped first).
+        self._rendered: dict[bytes, list[int]] = {}
         self._header = self.encode("assistant\n")
         self._empty_think = self.encode(EMPTY_THINK)
 
@@ -64,16 +70,23 @@ class SimModel:
         """The ids of ``apply_chat_template(messages, tools=tools, add_generation_prompt=True)``.
 
         With ``continue_final_message``, the final assistant message is left open instead."""
-        text = self.tokenizer.apply_chat_template(
-            messages,
-            tools=list(tools or []) or None,
-            tokenize=False,
-            add_generation_prompt=not continue_final_message,
-            continue_final_message=continue_final_message,
-            **(template_kwargs or {}),
-        )
-        # What apply_chat_template(tokenize=True) does next, without its Python wrapping.
-        return self.encode(cast(str, text))
+        key = orjson.dumps([messages, tools, continue_final_message, template_kwargs])
+        cached = self._rendered.get(key)
+        if cached is None:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=list(tools or []) or None,
+                tokenize=False,
+                add_generation_prompt=not continue_final_message,
+                continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
+            )
+            # What apply_chat_template(tokenize=True) does next, without its Python wrapping.
+            cached = self.encode(cast(str, text))
+            if len(self._rendered) >= RENDER_CACHE_SIZE:
+                self._rendered.pop(next(iter(self._rendered)))
+            self._rendered[key] = cached
+        return list(cached)
 
     def open_reply(self, prompt_ids: Sequence[int]) -> OpenReply | None:
         """The assistant turn ``prompt_ids`` ends in, after its generation prompt; else None."""
