@@ -1033,12 +1033,12 @@ def _wait_until_healthy(base_url: str, process: subprocess.Popen[bytes], log_pat
     pytest.fail(f"the simulator was not healthy within 30 s:\n{log_path.read_text()}")
 
 
-@pytest.fixture
-def simulator_url(tmp_path: Path) -> Iterator[str]:
+@contextlib.contextmanager
+def running_simulator(tmp_path: Path, *flags: str) -> Iterator[str]:
+    """A simulator process on a free port, with ``flags``; its base URL once healthy."""
     port = _free_port()
     log_path = tmp_path / "simulator.log"
-    command = [sys.executable, "-m", "buffer.simulator", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--latency-mean-s", "0.2", "--accuracy", "1", "--log-level", "warning"]
+    command = [sys.executable, "-m", "buffer.simulator", "--host", "127.0.0.1", "--port", str(port), *flags]
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -1052,6 +1052,20 @@ def simulator_url(tmp_path: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture
+def simulator_url(tmp_path: Path) -> Iterator[str]:
+    flags = ("--latency-mean-s", "0.2", "--accuracy", "1", "--log-level", "warning")
+    with running_simulator(tmp_path, *flags) as base_url:
+        yield base_url
+
+
+@pytest.fixture
+def thinking_vllm_url(tmp_path: Path) -> Iterator[str]:
+    flags = ("--engine", "vllm", "--chat-template", "thinking", "--accuracy", "1", "--log-level", "warning")
+    with running_simulator(tmp_path, *flags) as base_url:
+        yield base_url
 
 
 @pytest.mark.e2e
@@ -1106,3 +1120,29 @@ async def test_the_real_process_serves_a_thousand_concurrent_requests(simulator_
     # ...so together they took a fraction of the 200 s they take one after another. Most of
     # what they do take is the client's: openai's connection pool is slow with 1,000 connections.
     assert elapsed_s < count * latency_s / 4, f"{count} requests took {elapsed_s:.1f} s"
+
+
+@pytest.mark.e2e
+async def test_the_real_process_streams_vllm_chunks_with_token_ids_and_refuses_an_unknown_model(
+    thinking_vllm_url: str,
+) -> None:
+    question = [{"role": "user", "content": "What is 6 * 7?"}]
+    body = {"model": "sim-model", "messages": question, "stream": True, "return_token_ids": True}
+    async with httpx.AsyncClient(base_url=thinking_vllm_url) as http:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            events = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+        unknown = await http.post("/v1/chat/completions", json={**body, "model": "other"})
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(event[len("data: ") :]) for event in events[:-1]]
+    thinker = build_tokenizer(thinking=True)
+    prompt = thinker.apply_chat_template(
+        question, tokenize=True, return_dict=False, add_generation_prompt=True
+    )
+    assert chunks[0]["prompt_token_ids"] == prompt
+    ids = [token for chunk in chunks for token in chunk["choices"][0].get("token_ids") or []]
+    reasoning = "".join(chunk["choices"][0]["delta"].get("reasoning") or "" for chunk in chunks)
+    content = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks)
+    assert thinker.decode(ids, skip_special_tokens=True) == f"<think>\n{reasoning}\n</think>\n\n{content}"
+    assert boxed(content) == "42"
+    assert unknown.status_code == 404

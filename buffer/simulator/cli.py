@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -33,6 +34,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = ", ".join(
         f"{name}={value}" for name, value in config.model_dump(exclude={"host", "port"}).items()
     )
+    # transformers advises at import that it has no torch: the simulator needs none.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
         app = create_sim_app(config)
     except MissingExtraError as exc:

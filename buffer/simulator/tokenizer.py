@@ -201,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("directory", type=Path)
     parser.add_argument("--thinking", action="store_true", help="the thinking (Qwen3-style) chat template")
     args = parser.parse_args(argv)
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no torch is needed
     try:
         tokenizer = build_tokenizer(thinking=args.thinking)
     except MissingExtraError as exc:
