@@ -680,6 +680,35 @@ async def test_generate_takes_input_ids_and_answers_text_output_ids_and_meta_inf
     assert sglang_chat.json()["metadata"] == {"weight_version": "7"}
 
 
+async def test_generate_replies_the_same_to_the_same_sampling_seed_whatever_the_request_id() -> None:
+    prompt = render([{"role": "user", "content": "What is 12 * 12?"}])
+
+    def request(seed: int, rid: str, stream: bool = False) -> dict[str, Any]:
+        sampling = {"max_new_tokens": 100, "sampling_seed": seed}
+        return {
+            "input_ids": prompt,
+            "sampling_params": sampling,
+            "return_logprob": True,
+            "rid": rid,
+            "stream": stream,
+        }
+
+    app = sim_app(accuracy=0.5)
+    async with client_for(app) as client:
+        answers = [(await client.post("/generate", json=request(5, rid))).json() for rid in ("a", "b")]
+        other = (await client.post("/generate", json=request(6, "c"))).json()
+    streamed = (await sse_chunks(app, "/generate", request(5, "d", stream=True)))[-1]
+    first, second = answers
+    assert first["output_ids"] == second["output_ids"] == streamed["output_ids"]
+    logprobs = first["meta_info"]["output_token_logprobs"]
+    assert (
+        logprobs
+        == second["meta_info"]["output_token_logprobs"]
+        == streamed["meta_info"]["output_token_logprobs"]
+    )
+    assert other["meta_info"]["output_token_logprobs"] != logprobs
+
+
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 async def test_a_token_prompt_s_conversation_and_tools_are_read_from_its_text(engine: str) -> None:
     app = sim_app(engine=engine, accuracy=0.0)
@@ -985,6 +1014,34 @@ def test_the_tokenizer_saved_by_its_command_is_the_one_the_simulator_builds(tmp_
     text = loaded.decode(ids)
     assert '"arguments": {"expression": "1 + 2"}' in text  # the arguments as an object, as generated
     assert "<tool_response>\n3\n</tool_response>" in text
+
+
+def test_the_thinking_template_keeps_reasoning_after_the_last_user_message_only() -> None:
+    """Qwen3's rule: a template that rewrites history, so later prompts do not extend earlier ones."""
+    messages = [
+        {"role": "user", "content": "What is 1 + 1?"},
+        {"role": "assistant", "content": "2", "reasoning_content": "one and one"},
+        {"role": "user", "content": "And 2 + 2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "two and two"},
+    ]
+    text = THINKER.apply_chat_template(messages, tokenize=False)
+    assert "<think>\ntwo and two\n</think>\n\n4<|im_end|>" in text
+    assert "one and one" not in text
+    off = THINKER.apply_chat_template(
+        messages[:1], tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert str(off).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert "<think>" not in str(TOKENIZER.apply_chat_template(messages, tokenize=False))  # ChatML drops it
+
+
+async def test_a_stop_token_id_ends_the_reply_after_that_token() -> None:
+    full = encode("Let me work this out step by step.\n6 * 7 = 42\nSo the answer is \\boxed{42}.")
+    stop_id = full[5]
+    [choice] = (
+        await chat(sim_app(accuracy=1.0), "What is 6 * 7?", stop_token_ids=[stop_id], return_token_ids=True)
+    )["choices"]
+    assert choice["token_ids"] == full[: full.index(stop_id) + 1]
+    assert (choice["finish_reason"], choice["matched_stop"]) == ("stop", stop_id)
 
 
 async def test_the_simulator_serves_the_tokenizer_of_tokenizer_path(tmp_path: Path) -> None:

@@ -216,7 +216,7 @@ class Simulator:
             if self.down():  # went down while it waited
                 return self.outage_response()
             stats.by_status[200] += 1
-            stats.prompt_tokens += answer.prompt_tokens * len(answer.generations)
+            stats.prompt_tokens += answer.prompt_tokens
             stats.completion_tokens += sum(len(generation.ids) for generation in answer.generations)
             stats.by_finish_reason.update(generation.finish_reason for generation in answer.generations)
             if answer.chunks is None:
@@ -624,7 +624,12 @@ def _template_message(message: Any) -> dict[str, Any]:
 
 
 def _reply_rng(request: BaseModel, server_seed: int | None, seed: int) -> random.Random:
-    """A generator determined by ``--seed``, the request's seed and everything else it asks."""
-    identity = request.identity() if isinstance(request, ChatRequest) else request.model_dump(mode="json")
+    """A generator determined by ``--seed``, the request's seed and everything else it asks.
+
+    On ``/generate`` and ``/v1/completions``, a request id and streaming are left out of it."""
+    if isinstance(request, ChatRequest):
+        identity = request.identity()
+    else:  # a request id, or streaming, changes nothing of the reply
+        identity = request.model_dump(mode="json", exclude={"rid", "request_id", "stream", "stream_options"})
     digest = hashlib.sha256(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS))
     return random.Random(f"{server_seed}:{seed}:{digest.hexdigest()}")

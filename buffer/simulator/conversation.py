@@ -5,9 +5,8 @@ Two directions, both of the ChatML format the simulator's chat template writes:
 - ``parse_prompt(text)``: a rendered prompt (decoded from the token ids of a ``/generate`` or a
   token-id ``/v1/completions`` request) back into messages and tools: the ``<tools>`` block of
   the system turn, user turns whose body is only ``<tool_response>`` blocks as tool results,
-  ``<think>`` and ``<tool_call>`` blocks of assistant turns. A prompt that ends inside an
-  assistant turn (no ``<|im_end|>`` after it) ends with that turn's text so far: the reply the
-  model is continuing.
+  ``<think>`` and ``<tool_call>`` blocks of assistant turns. An assistant turn left open at the
+  end (no ``<|im_end|>`` after it) is the reply being written, not history.
 - ``parse_output(text, thinking)``: the model's raw output split as an engine's reasoning and
   tool-call parsers split it (Qwen3's ``<think>``, Hermes' ``<tool_call>``): reasoning, content,
   tool calls. An unfinished ``<tool_call>`` stays in the content, as vLLM leaves it.
@@ -49,12 +48,11 @@ class SimMessage:
 
 @dataclass(slots=True)
 class Conversation:
+    """The messages and tools of a prompt; an open assistant turn at its end is not among them
+    (``SimModel.open_reply`` finds it, by its token ids)."""
+
     messages: list[SimMessage]
     tools: list[dict[str, Any]]
-    # The text of the open assistant turn at the end of the prompt, after the generation
-    # prompt (and an empty think block); None when the prompt does not end in one.
-    partial: str | None = None
-    thinking_off: bool = False  # the prompt holds the empty think block
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,18 +66,14 @@ def parse_prompt(text: str) -> Conversation:
     """The conversation a rendered ChatML prompt holds (see the module docstring)."""
     messages: list[SimMessage] = []
     tools: list[dict[str, Any]] = []
-    partial: str | None = None
-    thinking_off = False
     blocks = text.split(IM_START)[1:]
     for index, block in enumerate(blocks):
         role, _, body = block.partition("\n")
         closed = IM_END in body
         body = body.split(IM_END, 1)[0]
         if not closed and index == len(blocks) - 1 and role == "assistant":
-            if body.startswith(EMPTY_THINK):
-                thinking_off, body = True, body[len(EMPTY_THINK) :]
-            partial = body
-        elif role == "system":
+            continue  # the reply being written
+        if role == "system":
             tools_block = _TOOLS_BLOCK.search(body)
             if tools_block:
                 tools = [json.loads(line) for line in tools_block.group(1).splitlines() if line.strip()]
@@ -94,7 +88,7 @@ def parse_prompt(text: str) -> Conversation:
             )
         else:
             messages.append(SimMessage(role, body))
-    return Conversation(messages, tools, partial, thinking_off)
+    return Conversation(messages, tools)
 
 
 def parse_output(text: str, thinking: bool) -> Output:
