@@ -8,6 +8,7 @@ at thousands of requests in flight, the simulator's own CPU time per request is 
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -16,7 +17,7 @@ import orjson
 
 from buffer.simulator.conversation import EMPTY_THINK, IM_START
 
-RENDER_CACHE_SIZE = 4096
+RENDER_CACHE_SIZE = 1024  # prompts; a group's samples are in flight together
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -50,7 +51,7 @@ class SimModel:
         ]
         self.special_ids = frozenset(tokenizer.all_special_ids)
         # The prompts of a group's samples are the same: rendered once (oldest dropped first).
-        self._rendered: dict[bytes, list[int]] = {}
+        self._rendered: dict[bytes, array[int]] = {}
         self._header = self.encode("assistant\n")
         self._empty_think = self.encode(EMPTY_THINK)
 
@@ -82,7 +83,7 @@ class SimModel:
                 **(template_kwargs or {}),
             )
             # What apply_chat_template(tokenize=True) does next, without its Python wrapping.
-            cached = self.encode(cast(str, text))
+            cached = array("i", self.encode(cast(str, text)))  # 4 bytes an id, not 36
             if len(self._rendered) >= RENDER_CACHE_SIZE:
                 self._rendered.pop(next(iter(self._rendered)))
             self._rendered[key] = cached
