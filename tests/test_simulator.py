@@ -292,6 +292,15 @@ async def test_malformed_requests_answer_400_saying_why_in_each_engine_s_error_s
             assert body["object"] == "error"
 
 
+async def test_messages_the_chat_template_cannot_render_answer_400() -> None:
+    broken_call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}
+    messages = [{"role": "user", "content": "What is 1 + 1?"}, broken_call]
+    async with client_for(sim_app(engine="vllm")) as client:
+        response = await client.post("/v1/chat/completions", json={"messages": messages})
+    assert response.status_code == 400
+    assert "chat template cannot render" in response.json()["error"]["message"]
+
+
 async def test_an_outage_answers_every_chat_completion_with_503_until_it_ends() -> None:
     app = sim_app(accuracy=1.0)
     question = {"model": "m", "messages": [{"role": "user", "content": "What is 1 + 1?"}]}

@@ -257,9 +257,15 @@ class Simulator:
         continuing = request.continue_final_message and request.messages[-1].role == "assistant"
         tools = request.tools or []
         template_kwargs = request.chat_template_kwargs or {}
-        prompt_ids = model.render(
-            [_template_message(message) for message in request.messages], tools, continuing, template_kwargs
-        )
+        try:
+            prompt_ids = model.render(
+                [_template_message(message) for message in request.messages],
+                tools,
+                continuing,
+                template_kwargs,
+            )
+        except ValueError as exc:
+            return self.error(400, str(exc), "BadRequestError", "messages")
         thinking = model.thinking and template_kwargs.get("enable_thinking", True) is not False
         history = request.messages[:-1] if continuing else request.messages
         plan = plan_reply(

@@ -70,18 +70,24 @@ class SimModel:
     ) -> list[int]:
         """The ids of ``apply_chat_template(messages, tools=tools, add_generation_prompt=True)``.
 
-        With ``continue_final_message``, the final assistant message is left open instead."""
+        With ``continue_final_message``, the final assistant message is left open instead. Raises
+        ``ValueError`` for messages the template cannot render."""
+        from jinja2 import TemplateError  # the sim extra's, as transformers is
+
         key = orjson.dumps([messages, tools, continue_final_message, template_kwargs])
         cached = self._rendered.get(key)
         if cached is None:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tools=list(tools or []) or None,
-                tokenize=False,
-                add_generation_prompt=not continue_final_message,
-                continue_final_message=continue_final_message,
-                **(template_kwargs or {}),
-            )
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages,
+                    tools=list(tools or []) or None,
+                    tokenize=False,
+                    add_generation_prompt=not continue_final_message,
+                    continue_final_message=continue_final_message,
+                    **(template_kwargs or {}),
+                )
+            except TemplateError as exc:
+                raise ValueError(f"the chat template cannot render these messages: {exc}") from exc
             # What apply_chat_template(tokenize=True) does next, without its Python wrapping.
             cached = array("i", self.encode(cast(str, text)))  # 4 bytes an id, not 36
             if len(self._rendered) >= RENDER_CACHE_SIZE:
