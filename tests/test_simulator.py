@@ -1077,6 +1077,122 @@ def test_without_the_sim_extra_the_simulator_says_which_extra_it_needs(
         main(["--port", "30001", "--log-level", "critical"])
 
 
+# The generator toolkit in token mode, against the simulator
+
+
+class Recording(httpx.AsyncBaseTransport):
+    """The simulator in process, keeping each token endpoint's request and answer."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.inner = httpx.ASGITransport(app=app)
+        self.exchanges: list[tuple[dict[str, Any], dict[str, Any]]] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        body = await response.aread()
+        if request.url.path in ("/generate", "/v1/completions") and response.status_code == 200:
+            self.exchanges.append((json.loads(request.content), json.loads(body)))
+        return httpx.Response(response.status_code, headers=response.headers, content=body)
+
+
+def sampled(
+    engine: str, request: dict[str, Any], answer: dict[str, Any]
+) -> tuple[Any, list[int], list[float]]:
+    """((prompt ids, seed), output ids, logprobs) of one exchange, read where the engine puts them."""
+    if engine == "sglang":
+        logprobs = [entry[0] for entry in answer["meta_info"]["output_token_logprobs"]]
+        key = (tuple(request["input_ids"]), request["sampling_params"].get("sampling_seed"))
+        return key, answer["output_ids"], logprobs
+    [choice] = answer["choices"]
+    return (
+        (tuple(request["prompt"]), request.get("seed")),
+        choice["token_ids"],
+        choice["logprobs"]["token_logprobs"],
+    )
+
+
+def covered(
+    answers: dict[Any, list[tuple[list[int], list[float]]]],
+    prompt: list[int],
+    seed: int,
+    output: list[int],
+    logprobs: list[float],
+    done: int,
+) -> bool:
+    """Whether requests the simulator answered make up ``output[done:]``: one asked for ``prompt`` and
+    the output so far, and sampled the next piece of it (with these logprobs), and so on to its end."""
+    if done == len(output):
+        return True
+    for ids, piece_logprobs in answers.get((tuple(prompt + output[:done]), seed), []):
+        end = done + len(ids)
+        matches = ids and output[done:end] == ids and logprobs[done:end] == piece_logprobs
+        if matches and covered(answers, prompt, seed, output, logprobs, end):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+async def test_the_calculator_in_token_mode_records_exactly_what_the_simulator_received_and_sampled(
+    engine: str, tmp_path: Path
+) -> None:
+    from buffer.toolkit import RolloutSettings, Tool, calculate, policy_client, run_rollouts, run_tools
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    TOKENIZER.save_pretrained(str(tokenizer_dir))
+    questions = ["What is 12 * (3 + 4) - 5?", "Compute 3 * (4 + 5).", "What is 100 - 58 * 2?", "Say hello."]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": q, "label": "0"}) + "\n" for q in questions))
+    tool = Tool(
+        "calculator", "Evaluate an arithmetic expression.", CALCULATOR["function"]["parameters"], calculate
+    )
+    transport = Recording(sim_app(engine=engine, accuracy=0.5, abort_rate=0.3))
+    payload = {
+        "task_type": "calculator",
+        "input_file": str(data),
+        "remote_engine_url": "http://sim",
+        "num_repeat_per_sample": 3,
+        "num_process": 4,
+        "sampling_params": {"max_tokens": 200},
+        "token_mode": True,
+        "tokenizer_path": str(tokenizer_dir),
+        "engine": engine,
+        "model": "sim-model",
+        "abort_retry_delay_s": 0,
+        "max_continuations": 50,
+    }
+    written: list[dict[str, Any]] = []
+
+    class Sink:
+        async def write(self, trajectory: dict[str, Any]) -> None:
+            written.append(trajectory)
+
+        async def aclose(self) -> None:
+            return None
+
+    async def rollout(llm: Any, sample: Any, **sampling: Any) -> Any:
+        return await run_tools(llm, sample, [tool], max_turns=4, **sampling)
+
+    async with policy_client(RolloutSettings.model_validate(payload), transport=transport) as llm:
+        await run_rollouts(payload, reward=lambda sample, episode: 1.0, rollout=rollout, sink=Sink(), llm=llm)
+    answers: dict[Any, list[tuple[list[int], list[float]]]] = {}
+    for request, answer in transport.exchanges:
+        key, ids, logprobs = sampled(engine, request, answer)
+        answers.setdefault(key, []).append((ids, logprobs))
+    assert len(written) == 12
+    turns = [turn for trajectory in written for turn in trajectory["turns"]]
+    assert len(turns) > 12  # the calculator's questions took two turns
+    assert any(turn["finish_reason"] == "tool_calls" for turn in turns)
+    assert all("error" not in trajectory["extra_info"] for trajectory in written)
+    assert sum(len(answers[key]) for key in answers) > len(turns)  # and some replies were continued
+    for trajectory in written:
+        held: list[int] = []
+        for turn in trajectory["turns"]:
+            prompt = held[: turn["prompt_offset"]] + turn["prompt_ids"]
+            seed = turn["sampling"]["seed"]
+            assert covered(answers, prompt, seed, turn["output_ids"], turn["output_logprobs"], 0), turn
+            held = prompt + turn["output_ids"]
+
+
 # The real process
 
 
