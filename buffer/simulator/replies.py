@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from buffer.simulator.arithmetic import find_question, format_number
-from buffer.simulator.conversation import Call, SimMessage
+from buffer.simulator.conversation import SimMessage
 from buffer.simulator.model import SimModel
 
 WRONG_OFFSETS = (-3, -2, -1, 1, 2, 3)
@@ -220,4 +220,3 @@ def _usable_tool(tools: Sequence[dict[str, Any]]) -> tuple[str, str] | None:
     return None
 
 
-__all__ = ["Call", "Draft", "Generation", "Limits", "ReplyPlan", "generate", "plan_reply"]
