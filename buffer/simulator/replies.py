@@ -218,5 +218,3 @@ def _usable_tool(tools: Sequence[dict[str, Any]]) -> tuple[str, str] | None:
         if function.get("name") == "calculator":
             return "calculator", strings[0] if strings else "expression"
     return None
-
-
