@@ -27,6 +27,7 @@ from buffer.client import (
     RolloutBatch,
     RolloutBufferClient,
 )
+from buffer.client.polling import LongPoll
 from buffer.demo import free_port, started, wait_ready
 
 pytestmark = pytest.mark.anyio
@@ -379,8 +380,18 @@ async def test_a_long_wait_is_sent_to_the_server_in_slices(kind: str) -> None:
 
 
 @respx.mock
-async def test_a_server_that_does_not_long_poll_is_polled_with_growing_pauses(kind: str) -> None:
+async def test_a_server_that_does_not_long_poll_is_polled_with_growing_pauses(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     sent_at: list[float] = []
+    pauses: list[float | None] = []
+    pause_s = LongPoll.pause_s
+
+    def spy(poll: LongPoll, asked_s: float, answered_in_s: float) -> float | None:
+        pauses.append(pause_s(poll, asked_s, answered_in_s))
+        return pauses[-1]
+
+    monkeypatch.setattr(LongPoll, "pause_s", spy)
 
     def at_once(request: httpx.Request) -> httpx.Response:
         sent_at.append(time.monotonic())
@@ -396,7 +407,10 @@ async def test_a_server_that_does_not_long_poll_is_polled_with_growing_pauses(ki
     assert 0.95 <= elapsed_s < 2
     assert 3 <= route.call_count <= 15
     assert min(gaps[:-1]) >= 0.09  # the last pause is cut to what remains of wait_s
-    assert gaps[1] > gaps[0]
+    first, second = pauses[0], pauses[1]
+    assert first is not None
+    assert second is not None
+    assert second > first  # the pauses grow
 
 
 @respx.mock
