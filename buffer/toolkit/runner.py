@@ -237,6 +237,7 @@ class _Run:
         self.group_reward = _as_async(group_reward) if group_reward is not None else None
         self.sampling = settings.sampling()
         self.groups: dict[tuple[int, Any], list[tuple[Sample, Episode | BaseException]]] = {}
+        self.failure_kinds: set[str] = set()  # each kind of failure is logged once, with its reason
 
     async def all(self, plan: Plan) -> None:
         slots = asyncio.Semaphore(self.settings.num_process)
@@ -322,6 +323,17 @@ class _Run:
         self.progress.completed += 1
         if error is not None:
             self.progress.failed += 1
+            kind = type(error).__name__
+            if kind not in self.failure_kinds:  # a run whose every request fails says why, once
+                self.failure_kinds.add(kind)
+                logger.warning(
+                    "%s: trajectory of %r failed: %s: %s (the first %s; the progress counts the others)",
+                    self.settings.task_type,
+                    sample.instance_id,
+                    kind,
+                    error,
+                    kind,
+                )
 
     def _trajectory(
         self, sample: Sample, episode: Episode | None, reward: float | None, error: BaseException | None
