@@ -4,9 +4,11 @@ Each sample is a plain dict::
 
     {"t": <wall-clock seconds>, "total_written": int, "total_read": int,
      "tasks": {task_type: {"written", "delivered_items", "pending_groups", "ready_groups",
-                           "delivered_groups", "reward_mean", "reward_std"}}}
+                           "delivered_groups", "reward_mean", "reward_std", "reward_count",
+                           "reward_sum"}}}
 
-The rewards are all-time statistics of the task (from its counters), not per-interval ones.
+The reward mean and std are all-time statistics of the task; the reward sum and count give the
+mean over any window between two samples.
 Rates (trajectories per second) are left to the reader: they are the difference of two
 successive ``total_written`` over the difference of their ``t``.
 """
@@ -29,6 +31,9 @@ TASK_FIELDS = {
     "delivered_groups": "delivered_groups",
     "reward_mean": "reward_mean",
     "reward_std": "reward_std",
+    # Windowed means: (sum' - sum) / (count' - count) between two samples.
+    "reward_count": "reward_count",
+    "reward_sum": "reward_sum",
 }
 
 

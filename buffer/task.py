@@ -394,6 +394,7 @@ class TaskBuffer:
             "discarded_groups": dict(self.discarded),
             "set_aside_groups": self.set_aside_total,
             "reward_count": self.rewards.count,
+            "reward_sum": self.rewards.mean * self.rewards.count,
             "reward_mean": self.rewards.mean if self.rewards.count else 0.0,
             "reward_std": self.rewards.sample_std,
             "hooks_overridden": sorted(self.hooks.overridden),

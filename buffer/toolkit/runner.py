@@ -103,6 +103,11 @@ class Progress:
     #: Completions per latency bucket (not cumulative; the last one is +Inf), and their sum.
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
     latency_sum_s: float = 0.0
+    #: Answers by finish_reason ("length": truncated), and the length of those whose length is
+    #: known (the engine's usage.completion_tokens, else the token ids captured).
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    response_tokens_sum: int = 0
+    response_tokens_count: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -116,6 +121,14 @@ class Progress:
             self.retries += max(0, completion.attempts - 1 - completion.continuations)
             self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, completion.latency_s)] += 1
             self.latency_sum_s += completion.latency_s
+            reason = completion.finish_reason
+            self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+            tokens = completion.usage.get("completion_tokens")
+            if tokens is None and completion.token_ids is not None:
+                tokens = len(completion.token_ids)
+            if tokens is not None:
+                self.response_tokens_sum += tokens
+                self.response_tokens_count += 1
 
     def count_failures(self, stats: LLMStats, since: LLMStats) -> None:
         """Take the request failures a client has counted (``stats``) since ``since``."""
