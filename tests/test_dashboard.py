@@ -256,6 +256,7 @@ def test_dashboard_draws_live_charts_jobs_and_failed_generators(
             README_SCREENSHOT if os.environ.get("UPDATE_SCREENSHOT") == "1" else tmp_path / "dashboard.png"
         )
         screenshot.parent.mkdir(exist_ok=True)
+        browser.execute_script("window.scrollTo(0, 0)")
         assert browser.save_screenshot(str(screenshot))
 
 
