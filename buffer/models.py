@@ -7,7 +7,7 @@ reason; nothing is buffered from a request that fails.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NotRequired, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -20,7 +20,7 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
-from typing_extensions import NotRequired, TypedDict
+from typing_extensions import TypedDict
 
 from buffer.encoding import INT64_MAX, INT64_MIN
 from buffer.errors import InvalidInput
