@@ -5,7 +5,7 @@ Each sample is a plain dict::
     {"t": <wall-clock seconds>, "total_written": int, "total_read": int,
      "tasks": {task_type: {"written", "delivered_items", "pending_groups", "ready_groups",
                            "delivered_groups", "reward_mean", "reward_std", "reward_count",
-                           "reward_sum"}}}
+                           "reward_sum", "served_age_s_sum", "served_age_count"}}}
 
 The reward mean and std are all-time statistics of the task; the reward sum and count give the
 mean over any window between two samples.
@@ -59,12 +59,18 @@ class History:
             return None
         self._last = now
         stats = buffer.stats()
+        # The trainer's lag: the mean wait of the groups served between two samples.
+        served = buffer.served_ages()
         entry = {
             "t": time.time(),
             "total_written": stats["total_written"],
             "total_read": stats["total_read"],
             "tasks": {
-                name: {field: counters[source] for field, source in TASK_FIELDS.items()}
+                name: {
+                    **{field: counters[source] for field, source in TASK_FIELDS.items()},
+                    "served_age_s_sum": served.get(name, (0.0, 0))[0],
+                    "served_age_count": served.get(name, (0.0, 0))[1],
+                }
                 for name, counters in stats["tasks"].items()
             },
         }

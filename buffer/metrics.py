@@ -52,10 +52,12 @@ class BufferCollector(Collector):
         self._jobs = jobs
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._buffer_metrics(self._buffer.stats())
+        yield from self._buffer_metrics(self._buffer.stats(), self._buffer.served_ages())
         yield from self._job_metrics()
 
-    def _buffer_metrics(self, stats: dict[str, Any]) -> Iterator[Metric]:
+    def _buffer_metrics(
+        self, stats: dict[str, Any], served_ages: dict[str, tuple[float, int]]
+    ) -> Iterator[Metric]:
         tasks: dict[str, dict[str, Any]] = stats["tasks"]
         written = _counter("trajectories_written", "Trajectories buffered (duplicates excluded)")
         delivered = _counter("trajectories_delivered", "Trajectories handed to the trainer")
@@ -68,6 +70,11 @@ class BufferCollector(Collector):
         # _sum and _count: rate(sum)/rate(count) is the mean reward over any window.
         reward = SummaryMetricFamily(
             PREFIX + "reward", "Rewards written: their sum and count", labels=["task"]
+        )
+        served_age = SummaryMetricFamily(
+            PREFIX + "served_group_age_seconds",
+            "How long each group a read returned had waited since it finished (the trainer's lag)",
+            labels=["task"],
         )
         reward_mean = _gauge("reward_mean", "Mean of every reward written")
         reward_std = _gauge("reward_std", "Sample standard deviation of every reward written")
@@ -83,6 +90,8 @@ class BufferCollector(Collector):
                 discarded.add_metric([task, reason], count)
             rewards.add_metric([task], counters["reward_count"])
             reward.add_metric([task], counters["reward_count"], counters["reward_sum"])
+            age_s_sum, age_count = served_ages.get(task, (0.0, 0))
+            served_age.add_metric([task], age_count, age_s_sum)
             reward_mean.add_metric([task], counters["reward_mean"])
             reward_std.add_metric([task], counters["reward_std"])
         duplicates = CounterMetricFamily(PREFIX + "duplicates", "Writes of a uid already seen, ignored")
@@ -92,7 +101,7 @@ class BufferCollector(Collector):
         )
         refused.add_metric([], stats["refused_full"])
         yield from (written, delivered, items, groups, groups_delivered, discarded, set_aside)
-        yield from (rewards, reward, reward_mean, reward_std, duplicates, refused)
+        yield from (rewards, reward, served_age, reward_mean, reward_std, duplicates, refused)
         journal = stats["journal"]
         if journal is not None:
             for name, documentation in (

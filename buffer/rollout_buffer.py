@@ -286,6 +286,9 @@ class RolloutBuffer:
             meta["finished_groups"] = finished
             meta["discarded_groups"] = dict(discarded)
             meta["returned_groups"] = len(groups)
+            served_at = self._wall_clock()
+            for group in groups:
+                self._tasks[group.task_type].record_served(group, served_at)
             self.total_read += taken
             self.reads += 1
             if self._journal is not None:
@@ -295,6 +298,14 @@ class RolloutBuffer:
                 read_id = self.reads
                 self._journal.deliver(wall, lambda: export.lines(groups, wall, read_id))
             return ReadResult(groups, meta)
+
+    def served_ages(self) -> dict[str, tuple[float, int]]:
+        """Per task, the seconds the groups read since start-up had waited once finished, summed,
+        and how many: the trainer's lag is the mean over any window."""
+        with self._lock:
+            return {
+                name: (task.served_age_s_sum, task.served_age_count) for name, task in self._tasks.items()
+            }
 
     def peek(self, task_type: str | None = None, max_items: int | None = None) -> list[ReadyGroup]:
         """The groups a read would return, left in place."""

@@ -67,6 +67,7 @@ class ReadyGroup:
     task_type: str
     instance_id: InstanceId
     items: list[bytes]
+    ready_at: float = 0.0  # wall-clock seconds it finished; 0: unknown (restored from a snapshot)
 
 
 @dataclass(slots=True)
@@ -116,6 +117,10 @@ class TaskBuffer:
         self.discarded: Counter[str] = Counter()
         self.set_aside_total = 0
         self.rewards = RewardStats()  # every raw reward written, for metrics and the dashboard
+        # How long the groups reads took had waited since they finished: the trainer's lag.
+        # Kept since the service started (not restored: Prometheus reads a restart as a reset).
+        self.served_age_s_sum = 0.0
+        self.served_age_count = 0
         # Since the last successful read: what meta_info reports.
         self.window = RewardStats()
         self.window_instances: set[InstanceId] = set()
@@ -207,7 +212,7 @@ class TaskBuffer:
     def _settle(self, group: OpenGroup, outcome: Outcome, seq: int, at: float) -> None:
         """Put a finished group where its outcome says: ready, counted as discarded, or aside."""
         if isinstance(outcome, Ready):
-            self.ready.append(ReadyGroup(seq, self.task_type, group.instance_id, outcome.items))
+            self.ready.append(ReadyGroup(seq, self.task_type, group.instance_id, outcome.items, at))
             self.ready_items += len(outcome.items)
             self._on_ready()
             return
@@ -352,6 +357,13 @@ class TaskBuffer:
         self.delivered_groups += 1
         self.finished_instance_ids.append(group.instance_id)
         return group
+
+    def record_served(self, group: ReadyGroup, now: float) -> None:
+        """Count the wait of a group a read took (live reads only: a replayed read would
+        measure the restart, not the trainer)."""
+        if group.ready_at > 0:
+            self.served_age_s_sum += max(0.0, now - group.ready_at)
+            self.served_age_count += 1
 
     def window_meta_info(self) -> dict[str, Any]:
         """Statistics since the last successful read, by the task's meta hook if it has one."""

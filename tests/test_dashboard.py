@@ -31,7 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 README_SCREENSHOT = REPO_ROOT / "docs" / "dashboard.png"
-CHARTS = ("chart-rate", "chart-groups", "chart-delivered", "chart-reward")
+CHARTS = ("chart-rate", "chart-groups", "chart-delivered", "chart-reward", "chart-lag")
 
 BROKEN_GENERATOR = """
 TASK_TYPE = "broken"
@@ -187,9 +187,12 @@ def test_dashboard_draws_live_charts_jobs_and_failed_generators(
             5,
         )
 
-        # The incremental polls carry only the newest samples: each is far smaller than the first.
-        sizes = _state(browser)["bytes"]
-        assert max(sizes[-3:]) < sizes[0] or len(sizes) < 20, sizes
+        # Each poll carries only the samples newer than the page's last one, not the history again.
+        state = _state(browser)
+        assert state["samples"] >= 4
+        assert all(poll["samples"] <= 2 for poll in state["polls"][-3:]), state["polls"]
+        full = len(client.get("/dashboard/data").content)
+        assert max(poll["bytes"] for poll in state["polls"][-3:]) < full
 
         # The viewer: a task, one of its ready groups, its messages and the tokens the trainer gets.
         turns_group = [
@@ -294,6 +297,8 @@ def test_history_samples_task_counters_once_per_interval_and_keeps_the_last() ->
         "reward_std": pytest.approx(0.3535, abs=1e-3),
         "reward_count": 2,
         "reward_sum": 0.5,
+        "served_age_s_sum": 0.0,
+        "served_age_count": 0,
     }
     clock[0] = 0.5
     assert history.sample(buffer) is None  # a sweeper faster than the interval adds nothing

@@ -55,6 +55,8 @@ def test_buffer_metrics_count_writes_reads_states_discards_and_rewards(client: T
     assert value(samples, "reward_count", task="math") == 8
     assert value(samples, "reward_sum", task="math") == pytest.approx(4.0)
     assert value(samples, "reward_sum", task="other") == pytest.approx(5.0)
+    assert value(samples, "served_group_age_seconds_count", task="math") == 1  # one group read
+    assert value(samples, "served_group_age_seconds_sum", task="math") >= 0
 
     assert value(samples, "trajectories_written_total", task="other") == 6
     assert value(samples, "trajectories_delivered_total", task="other") == 0

@@ -11,7 +11,7 @@ const PALETTE = ["#2563eb", "#e67e22", "#16a34a", "#9333ea", "#dc2626", "#0891b2
 const FINISH_COLORS = { stop: "#16a34a", length: "#e67e22", abort: "#9333ea", tool_calls: "#0891b2", error: "#dc2626" };
 
 window.dashboardState = {
-  updates: 0, samples: 0, lastSampleT: null, lastUpdate: null, error: null, charts: {}, bytes: [], viewer: null,
+  updates: 0, samples: 0, lastSampleT: null, lastUpdate: null, error: null, charts: {}, polls: [], viewer: null,
 };
 
 const history = [];
@@ -114,9 +114,10 @@ function taskNames() {
   return [...names].sort();
 }
 
-// The mean of the rewards written in the last REWARD_WINDOW_S seconds, per task: from the
-// all-time sum and count at both ends of the window (none written in it: a gap).
-function windowedRewards() {
+// The mean over the last REWARD_WINDOW_S seconds, per task, of a quantity the history keeps as
+// an all-time sum and count (rewards written; waits of the groups served): from the sum and
+// count at both ends of the window (nothing in it: a gap).
+function windowedMeans(sumField, countField) {
   return taskNames().map((name) => {
     const values = [];
     let start = 0;
@@ -124,9 +125,9 @@ function windowedRewards() {
       while (start < i && history[start + 1].t <= history[i].t - REWARD_WINDOW_S) start++;
       const now = (history[i].tasks || {})[name];
       const then = i === start ? null : (history[start].tasks || {})[name];
-      if (!now || now.reward_count === undefined) { values.push(null); continue; }
-      const count = now.reward_count - (then ? then.reward_count : 0);
-      const sum = now.reward_sum - (then ? then.reward_sum : 0);
+      if (!now || now[countField] === undefined) { values.push(null); continue; }
+      const count = now[countField] - (then ? then[countField] : 0);
+      const sum = now[sumField] - (then ? then[sumField] : 0);
       values.push(count > 0 ? sum / count : null);
     }
     return { name, color: colorFor(name), values };
@@ -407,7 +408,8 @@ function render(data) {
     { name: "ready", color: "#2563eb", values: summed("ready_groups") },
   ]);
   drawChart("chart-delivered", xs, [{ name: "delivered", color: "#16a34a", values: summed("delivered_groups") }]);
-  drawChart("chart-reward", xs, windowedRewards(), 3);
+  drawChart("chart-reward", xs, windowedMeans("reward_sum", "reward_count"), 3);
+  drawChart("chart-lag", xs, windowedMeans("served_age_s_sum", "served_age_count"), 1);
 
   renderTasks(stats);
   renderJobProgress(data.jobs || []);
@@ -430,9 +432,11 @@ async function poll() {
     const response = await fetch(`dashboard/data${since}`, { cache: "no-store" });
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     const text = await response.text();
-    window.dashboardState.bytes.push(text.length);
-    if (window.dashboardState.bytes.length > 20) window.dashboardState.bytes.shift();
-    render(JSON.parse(text));
+    const data = JSON.parse(text);
+    const polls = window.dashboardState.polls;
+    polls.push({ bytes: text.length, samples: (data.history || []).length });
+    if (polls.length > 20) polls.shift();
+    render(data);
     status.textContent = `updated ${new Date().toLocaleTimeString()}`;
     status.classList.remove("error");
   } catch (error) {
