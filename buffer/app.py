@@ -27,7 +27,7 @@ from buffer.models import TRAJECTORY, invalid_input
 from buffer.registry import GeneratorRegistry
 from buffer.responses import envelope
 from buffer.rollout_buffer import RolloutBuffer
-from buffer.routes import dashboard, export, jobs, metrics, rollout, service, tail, trajectories, writes
+from buffer.routes import dashboard, docs, export, jobs, metrics, rollout, service, tail, trajectories, writes
 from buffer.security import (
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
@@ -85,9 +85,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await asyncio.to_thread(journal.close)
                 logger.info("the buffer is on disk in %s", settings.data_dir)
 
-    app = FastAPI(title="rollout-buffer", version=__version__, lifespan=lifespan)
+    # /docs is served from vendored files (routes/docs.py), not FastAPI's CDN page; no ReDoc.
+    app = FastAPI(
+        title="rollout-buffer", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     app.router.routes[:0] = writes.ROUTES  # first: matched before any other route is tried
-    for module in (rollout, trajectories, export, jobs, service, metrics, dashboard, tail):
+    for module in (rollout, trajectories, export, jobs, service, metrics, dashboard, tail, docs):
         app.include_router(module.router)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(BrowserGuardMiddleware, allowed_origins=settings.allowed_origins)

@@ -5,11 +5,13 @@ Each sample is a plain dict::
     {"t": <wall-clock seconds>, "total_written": int, "total_read": int,
      "pending_groups": int, "ready_groups": int, "delivered_groups": int,   (over every task)
      "tasks": {task_type: {"written", "delivered_items", "pending_groups", "ready_groups",
-                           "delivered_groups", "reward_mean", "reward_std"}}}
+                           "delivered_groups", "reward_mean", "reward_std", "reward_count",
+                           "reward_sum", "served_age_s_sum", "served_age_count"}}}
 
 ``tasks`` holds the ``keep_tasks`` tasks written to most recently (and the current one), not
 every task: a sample costs the same with 20,000 task names as with 20. The totals cover all.
-The rewards are all-time statistics of the task (from its counters), not per-interval ones.
+The reward mean and std are all-time statistics of the task; the reward sum and count (and
+the served groups' ages) give the mean over any window between two samples.
 Rates (trajectories per second) are left to the reader: they are the difference of two
 successive ``total_written`` over the difference of their ``t``.
 """
@@ -32,6 +34,12 @@ TASK_FIELDS = {
     "delivered_groups": "delivered_groups",
     "reward_mean": "reward_mean",
     "reward_std": "reward_std",
+    # Windowed means: (sum' - sum) / (count' - count) between two samples.
+    "reward_count": "reward_count",
+    "reward_sum": "reward_sum",
+    # The trainer's lag over a window, likewise.
+    "served_age_s_sum": "served_age_s_sum",
+    "served_age_count": "served_age_count",
 }
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, NotRequired, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -29,7 +29,7 @@ from pydantic import (
     field_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
-from typing_extensions import NotRequired, TypedDict
+from typing_extensions import TypedDict
 
 from buffer import storable
 from buffer.encoding import INT64_MAX, INT64_MIN

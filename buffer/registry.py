@@ -5,7 +5,8 @@ runs and removed again if it fails. A file is reported, never fatal, when it fai
 import (with the traceback), breaks the contract (no ``TASK_TYPE``, no ``run_rollout``, a
 hook with the wrong parameters), or repeats another file's ``TASK_TYPE`` (both are reported
 and neither is used: running the wrong one silently would be worse). ``refresh`` re-imports
-only files that changed, so a new or edited generator is picked up without a restart.
+only files that changed, so a new or edited generator is picked up without a restart; a file
+that failed to import is imported again on each scan (a missing package may have been installed).
 
 No traceback reaches a client: the log has it, the API says only ``where`` the error happened
 (the innermost frame of the generator's code), as it does for a failed job or hook.
@@ -112,7 +113,10 @@ class GeneratorRegistry:
                     continue
                 fingerprint = (stat.st_mtime_ns, stat.st_size)
                 cached = self._loaded.get(path)
-                if cached is not None and cached[0] == fingerprint:
+                # A file that failed to import is tried again on every scan, changed or not: what
+                # it lacked is often a package installed since (``pip install requests``).
+                retry = cached is not None and isinstance(cached[1], LoadError) and cached[1].kind == "import"
+                if cached is not None and cached[0] == fingerprint and not retry:
                     loaded[path] = cached
                 else:
                     loaded[path] = (fingerprint, _load(path))

@@ -333,6 +333,9 @@ class RolloutBuffer:
             meta["finished_groups"] = finished
             meta["discarded_groups"] = dict(discarded)
             meta["returned_groups"] = len(groups)
+            served_at = self._wall_clock()
+            for group in groups:
+                self._tasks[group.task_type].record_served(group, served_at)
             self.total_read += taken
             self.reads += 1
             if self._journal is not None:

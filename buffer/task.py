@@ -67,6 +67,7 @@ class ReadyGroup:
     task_type: str
     instance_id: InstanceId
     items: list[bytes]
+    ready_at: float = 0.0  # wall-clock seconds it finished; 0: unknown (restored from a snapshot)
 
 
 @dataclass(slots=True)
@@ -132,6 +133,10 @@ class TaskBuffer:
         #: it started, whatever their outcome, for a resumed job to skip (see ``RolloutBuffer``).
         self.job_finished: Counter[InstanceId] | None = None
         self.rewards = RewardStats()  # every raw reward written, for metrics and the dashboard
+        # How long the groups reads took had waited since they finished: the trainer's lag.
+        # Kept since the service started (not restored: Prometheus reads a restart as a reset).
+        self.served_age_s_sum = 0.0
+        self.served_age_count = 0
         # Since the last successful read: what meta_info reports.
         self.window = RewardStats()
         self.window_instances: set[InstanceId] = set()
@@ -245,7 +250,7 @@ class TaskBuffer:
         if self.job_finished is not None:
             self.job_finished[group.instance_id] += 1
         if isinstance(outcome, Ready):
-            self.ready.append(ReadyGroup(seq, self.task_type, group.instance_id, outcome.items))
+            self.ready.append(ReadyGroup(seq, self.task_type, group.instance_id, outcome.items, at))
             self.ready_items += len(outcome.items)
             self._on_ready()
             return
@@ -409,6 +414,13 @@ class TaskBuffer:
             self.finished_instance_ids.append(group.instance_id)
         return taken
 
+    def record_served(self, group: ReadyGroup, now: float) -> None:
+        """Count the wait of a group a read took (live reads only: a replayed read would
+        measure the restart, not the trainer)."""
+        if group.ready_at > 0:
+            self.served_age_s_sum += max(0.0, now - group.ready_at)
+            self.served_age_count += 1
+
     def window_meta_info(self) -> dict[str, Any]:
         """Statistics since the last successful read, by the task's meta hook if it has one."""
         if "get_group_data_meta_info" not in self.hooks.overridden:
@@ -450,8 +462,12 @@ class TaskBuffer:
             "discarded_groups": dict(self.discarded),
             "set_aside_groups": self.set_aside_total,
             "reward_count": self.rewards.count,
+            "reward_sum": self.rewards.mean * self.rewards.count,
             "reward_mean": self.rewards.mean if self.rewards.count else 0.0,
             "reward_std": self.rewards.sample_std,
+            # The trainer's lag: the seconds the groups read had waited once finished, and how many.
+            "served_age_s_sum": self.served_age_s_sum,
+            "served_age_count": self.served_age_count,
             "hooks_overridden": sorted(self.hooks.overridden),
         }
 

@@ -156,7 +156,7 @@ def test_a_non_finite_flag_is_a_usage_error_naming_it(flag: list[str], tmp_path:
     command = [sys.executable, "-m", "buffer", *flag, "--data-dir", str(tmp_path / "data"), "--port", "1"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2, done.stderr
-    assert f"error: {flag[0]}:" in done.stderr
+    assert f"rollout-buffer serve: {flag[0]} {flag[1]}:" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "data").exists()  # refused before anything was made
 

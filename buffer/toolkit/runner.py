@@ -128,6 +128,11 @@ class Progress:
     #: Completions per latency bucket (not cumulative; the last one is +Inf), and their sum.
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
     latency_sum_s: float = 0.0
+    #: Answers by finish_reason ("length": truncated), and the length of those whose length is
+    #: known (the engine's usage.completion_tokens, else the token ids captured).
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    response_tokens_sum: int = 0
+    response_tokens_count: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -141,6 +146,14 @@ class Progress:
             self.retries += max(0, completion.attempts - 1 - completion.continuations)
             self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, completion.latency_s)] += 1
             self.latency_sum_s += completion.latency_s
+            reason = completion.finish_reason
+            self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+            tokens = completion.usage.get("completion_tokens")
+            if tokens is None and completion.token_ids is not None:
+                tokens = len(completion.token_ids)
+            if tokens is not None:
+                self.response_tokens_sum += tokens
+                self.response_tokens_count += 1
 
     def count_failures(self, stats: LLMStats, since: LLMStats) -> None:
         """Take the request failures a client has counted (``stats``) since ``since``."""
@@ -307,6 +320,7 @@ class _Run:
         self.fail_fast = FailFast(settings.fail_fast_after)
         self.fatal: MisconfiguredEngine | None = None
         self.tasks: set[asyncio.Task[None]] = set()
+        self.failure_kinds: set[str] = set()  # each kind of failure is logged once, with its reason
 
     async def all(self, plan: Plan) -> None:
         slots = asyncio.Semaphore(self.settings.num_process)
@@ -416,6 +430,17 @@ class _Run:
         self.progress.completed += 1
         if error is not None:
             self.progress.failed += 1
+            kind = type(error).__name__
+            if kind not in self.failure_kinds:  # a run whose every request fails says why, once
+                self.failure_kinds.add(kind)
+                logger.warning(
+                    "%s: trajectory of %r failed: %s: %s (the first %s; the progress counts the others)",
+                    self.settings.task_type,
+                    sample.instance_id,
+                    kind,
+                    error,
+                    kind,
+                )
         elif trajectory["extra_info"]["finish_reason"] == "abort":
             self.progress.aborted += 1
 

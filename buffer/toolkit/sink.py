@@ -136,7 +136,7 @@ class HttpSink:
                     if remaining <= 0
                     else await asyncio.wait_for(self._queue.get(), remaining)
                 )
-            except (asyncio.TimeoutError, asyncio.QueueEmpty):
+            except (TimeoutError, asyncio.QueueEmpty):
                 return False
             if item is None:
                 return True
