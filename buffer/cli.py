@@ -1,5 +1,6 @@
 """``python buffer.py`` / ``python -m buffer`` / ``rollout-buffer``: run the service;
-``rollout-buffer status`` and ``rollout-buffer tail`` look at a running one instead."""
+``rollout-buffer status`` and ``rollout-buffer tail`` look at a running one instead;
+``rollout-buffer check DIR [--repair]`` checks (and salvages) a data folder."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from buffer import console  # the command-line views load no server code
 
         sys.exit(console.main(args))
+    if args[:1] == ["check"]:
+        from buffer import datacheck
+
+        sys.exit(datacheck.main(args[1:]))
     serve(args)
 
 

@@ -19,13 +19,13 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from buffer import encoding, export
 from buffer.errors import BufferFull, InvalidInput, StorageFailed
 from buffer.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE, Hooks
-from buffer.journal import Event, Journal, encode
+from buffer.journal import Event, Journal, encode, refuse_non_finite
 from buffer.stats import RewardStats
 from buffer.task import InstanceId, ReadyGroup, Record, SetAsideGroup, TaskBuffer, TaskSettings
 
@@ -107,6 +107,8 @@ class RolloutBuffer:
     def _configure(
         self, task_type: str, settings: TaskSettings, hooks: Hooks, hooks_source: str | None, *, current: bool
     ) -> TaskBuffer:
+        if self._journal is not None:  # before anything changes: the record must be storable
+            refuse_non_finite(asdict(settings), "settings")
         task = self._tasks.get(task_type)
         if task is None:
             task = self._tasks[task_type] = TaskBuffer(
@@ -258,6 +260,9 @@ class RolloutBuffer:
         ``None``) but at least one. A read that returns groups starts a new statistics window;
         one that returns none reports the statistics so far and keeps them."""
         with self._lock:
+            journal = self._journal
+            if journal is not None and journal.failing is not None:
+                raise StorageFailed(journal.failing)  # nothing is taken that could not be kept
             tasks = self._covered(task_type)
             self._expire(tasks)
             groups: list[ReadyGroup] = []
@@ -288,13 +293,29 @@ class RolloutBuffer:
             meta["returned_groups"] = len(groups)
             self.total_read += taken
             self.reads += 1
-            if self._journal is not None:
+            if journal is not None:
                 wall = self._wall_clock()
                 header = {"e": "read", "t": task_type, "seqs": [group.seq for group in groups]}
-                self._journal.append(encode({**header, "at": wall, "id": self.reads}))
                 read_id = self.reads
-                self._journal.deliver(wall, lambda: export.lines(groups, wall, read_id))
+                journal.read(
+                    encode({**header, "at": wall, "id": read_id}),
+                    lambda: export.rows(groups, wall, read_id),
+                    lambda: self._unread(groups, taken),
+                )
             return ReadResult(groups, meta)
+
+    def _unread(self, groups: list[ReadyGroup], taken: int) -> None:
+        """Give back the groups of a read the journal could not commit (under the lock, newest
+        read first): they go back to the head of their tasks, never counted as delivered.
+        The statistics window the read started stays started."""
+        for group in reversed(groups):
+            task = self._tasks[group.task_type]
+            task.ready.appendleft(group)
+            task.ready_items += len(group.items)
+            task.delivered_items -= len(group.items)
+            task.delivered_groups -= 1
+        self.total_read -= taken
+        self.reads -= 1
 
     def peek(self, task_type: str | None = None, max_items: int | None = None) -> list[ReadyGroup]:
         """The groups a read would return, left in place."""
@@ -425,6 +446,8 @@ class RolloutBuffer:
             self._seq = max(self._seq, header.get("seq", -1) + 1)
         elif kind == "dup":
             self.duplicates += 1
+        elif kind == "nop":  # a read the journal took back, a compaction
+            pass
         elif kind == "read":
             tasks = self._covered(header["t"])
             for seq in header["seqs"]:
@@ -460,7 +483,7 @@ class RolloutBuffer:
         Finishes the groups a restore left full but open."""
         with self._lock:
             self._journal = journal
-            journal.start(self.snapshot)
+            journal.start(self.snapshot, lock=self._lock)
             for task in self._tasks.values():
                 task.log = journal.append
                 task.finish_full()
@@ -475,11 +498,11 @@ class RolloutBuffer:
             await self._journal.wait_durable()
 
     def snapshot(self) -> tuple[int, Iterator[bytes]]:
-        """Start a new journal segment and the records of the state as of its start: the
-        references are copied under the lock, the encoding happens as they are read."""
+        """The journal's position and the records of the state as of it: the references are
+        copied under the lock, the encoding happens as they are read."""
         assert self._journal is not None
         with self._lock:
-            segment = self._journal.rotate()
+            position = self._journal.position()
             offset = self._wall_clock() - self._clock()
             tasks = [task.snapshot(lambda monotonic: monotonic + offset) for task in self._tasks.values()]
             state = {
@@ -500,7 +523,7 @@ class RolloutBuffer:
                 yield from task()
             yield encode(state)
 
-        return segment, records()
+        return position, records()
 
 
 _DUPLICATE = encode({"e": "dup"})
