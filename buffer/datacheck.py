@@ -63,19 +63,36 @@ def _salvage(db: sqlite3.Connection, table: str, columns: str, report: Report) -
         report.unreadable.append(f"{table}: the whole table: {exc}")
         return
     if table == "events":  # ids are dense from the snapshot's end to the last commit's
-        low, high = _meta(db, "snapshot_through", 0) + 1, max(high or 0, _meta(db, "last_event", 0))
+        low, high = _meta(db, "snapshot_through", 0) + 1, _meta(db, "last_event", high or 0)
     if low is None or high is None:
         return
+    problems: dict[int, str] = {}
     for row_id in range(low, high + 1):
         try:
             row = db.execute(f"SELECT id, {columns} FROM {table} WHERE id = ?", (row_id,)).fetchone()
         except sqlite3.DatabaseError as exc:
-            report.unreadable.append(f"{table} {row_id}: {exc}")
+            problems[row_id] = str(exc)
             continue
         if row is not None:
             yield row
         elif table == "events":
-            report.unreadable.append(f"{table} {row_id}: missing")
+            problems[row_id] = "missing"
+    report.unreadable.extend(_ranges(table, problems))
+
+
+def _ranges(table: str, problems: dict[int, str]) -> list[str]:
+    """``events 200-208: missing``: consecutive ids with the same problem on one line."""
+    lines: list[str] = []
+    ids = sorted(problems)
+    start = 0
+    for end in range(len(ids)):
+        last = end + 1 == len(ids)
+        if last or ids[end + 1] != ids[end] + 1 or problems[ids[end + 1]] != problems[ids[start]]:
+            first_id, last_id = ids[start], ids[end]
+            span = f"{first_id}" if first_id == last_id else f"{first_id}-{last_id}"
+            lines.append(f"{table} {span}: {problems[first_id]}")
+            start = end + 1
+    return lines
 
 
 def _meta(db: sqlite3.Connection, key: str, default: int) -> int:

@@ -221,9 +221,8 @@ def small_disk(path: Path, size: str = "3m") -> Iterator[Path]:
     """A tmpfs of ``size`` mounted at ``path`` for the test (needs root)."""
     path.mkdir()
     try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True, capture_output=True
-        )
+        command = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+        subprocess.run(command, check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError) as exc:
         pytest.skip(f"mounting a small tmpfs is not permitted here ({exc}): the disk-full test needs it")
     try:
@@ -270,7 +269,8 @@ def test_a_full_disk_answers_503_says_why_and_recovers_without_a_restart(
         fill_up(disk / "filler")
         assert read(client) in (200, 503)  # its export may still fit in the WAL, or not
         refused = [status for status in (write(client, f"full{i}") for i in range(400)) if status != 200]
-        assert refused and set(refused) == {503}
+        assert refused
+        assert set(refused) == {503}
         health = client.get("/health")
         assert health.status_code == 503
         assert health.json()["status"] == "storage_failed"
@@ -354,3 +354,23 @@ def test_a_job_running_when_the_service_stopped_runs_again_after_a_restart(
         assert client.post("/start_rollout", json=start).status_code == 200
     with service(generator_dir, data_dir, resume_jobs=False) as client:
         assert running_jobs(client) == []
+
+
+def test_an_infinite_float_never_reaches_the_data_folder(generator_dir: Path, tmp_path: Path) -> None:
+    (generator_dir / "math_generator.py").write_text('TASK_TYPE = "math"\ndef run_rollout(data):\n    pass\n')
+    body = json.dumps({"task_type": "math", "group_timeout_seconds": float("inf")})  # "Infinity"
+    with service(generator_dir, tmp_path / "data") as client:
+        refused = client.post("/start_rollout", content=body, headers={"content-type": "application/json"})
+        assert 400 <= refused.status_code < 500
+        assert "group_timeout" in refused.text
+        assert client.post("/buffer/write_batch", json=group("q1", [0, 1, 0, 1])).status_code == 200
+    with service(generator_dir, tmp_path / "data") as client:  # and the folder still starts
+        assert uids(client.post("/get_rollout_data", json={}).json())
+
+
+def test_an_infinite_export_retention_stops_the_start_up(generator_dir: Path, tmp_path: Path) -> None:
+    with (
+        pytest.raises(ValueError, match="finite number of seconds"),
+        service(generator_dir, tmp_path / "data", export_retention_hours=float("inf")),
+    ):
+        pass
