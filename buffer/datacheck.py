@@ -146,7 +146,6 @@ def check(directory: Path, *, repair: bool = False) -> Report:
             db.close()
         report.events, report.exports = len(events), len(exports)
         if repair and not report.ok:
-            lock.close()
             _rebuild(directory, events, [row[1:] for row in exports])
             report.repaired = True
     finally:

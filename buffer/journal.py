@@ -65,6 +65,7 @@ FORMAT_VERSION = 1
 #: How long the writer waits before it tries a failed commit again.
 RETRY_INTERVAL_S = 1.0
 _STAGING_ROWS = 2000
+_WAL_LIMIT_BYTES = 64 * 2**20
 
 _LOG_COLUMNS = "(id INTEGER PRIMARY KEY, header TEXT NOT NULL, payload BLOB NOT NULL)"
 SCHEMA = f"""
@@ -194,6 +195,7 @@ def connect(path: Path, *, sync: bool = True, readonly: bool = False) -> sqlite3
     if not readonly:
         connection.execute("PRAGMA journal_mode = WAL")
         connection.execute(f"PRAGMA synchronous = {'FULL' if sync else 'NORMAL'}")
+        connection.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT_BYTES}")  # after a big compaction
     return connection
 
 
@@ -253,12 +255,12 @@ class Journal:
             self._db = connect(self.database, sync=self.sync)
             problems = [row[0] for row in self._db.execute("PRAGMA quick_check")]
             if problems != ["ok"]:
-                raise JournalCorrupt(f"{self.database}: {'; '.join(problems[:5])}")
+                raise JournalCorrupt(f"{self.database}: {'; '.join(problems[:5])}{self._repair_hint}")
             self._db.executescript(SCHEMA)
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (str(FORMAT_VERSION),))
             last = self._db.execute("SELECT max(id) FROM events").fetchone()[0]
         except sqlite3.DatabaseError as exc:
-            raise JournalCorrupt(f"{self.database}: {exc}") from exc
+            raise JournalCorrupt(f"{self.database}: {exc}{self._repair_hint}") from exc
         self._appended = self._durable = last or 0
         for table in ("snapshot", "events"):
             for event_id, header, payload in self._rows(table):
@@ -270,7 +272,12 @@ class Journal:
                 try:
                     yield Event(orjson.loads(header), bytes(payload))
                 except orjson.JSONDecodeError as exc:
-                    raise JournalCorrupt(f"{self.database}: {table} row {event_id}: {exc}") from exc
+                    message = f"{self.database}: {table} row {event_id}: {exc}{self._repair_hint}"
+                    raise JournalCorrupt(message) from exc
+
+    @property
+    def _repair_hint(self) -> str:
+        return f" (`rollout-buffer check {self.directory} --repair` salvages what can be read)"
 
     def _rows(self, table: str) -> Iterator[tuple[int, str, bytes]]:
         assert self._db is not None
@@ -282,7 +289,8 @@ class Journal:
                     (last,),
                 ).fetchall()
             except sqlite3.DatabaseError as exc:
-                raise JournalCorrupt(f"{self.database}: {table} after row {last}: {exc}") from exc
+                message = f"{self.database}: {table} after row {last}: {exc}{self._repair_hint}"
+                raise JournalCorrupt(message) from exc
             if not rows:
                 return
             yield from rows
@@ -536,9 +544,14 @@ class Journal:
             generation = self._generation
         with self._cv:
             self._install_pending = True
-        position, records = self._snapshotter()
-        db = connect(self.database, sync=self.sync)
         rows = size = 0
+        try:
+            position, records = self._snapshotter()
+        except BaseException:
+            with self._cv:
+                self._install_pending = False
+            raise
+        db = connect(self.database, sync=self.sync)
         try:
             db.execute("DROP TABLE IF EXISTS snapshot_next")
             db.execute(f"CREATE TABLE snapshot_next {_LOG_COLUMNS}")

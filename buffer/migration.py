@@ -127,6 +127,8 @@ def migrate(directory: Path, database: Path) -> bool:
     for old in (old_journal, old_delivered):
         if old.is_dir():
             aside = old.with_name(old.name + ".migrated")
+            while aside.exists():  # a folder migrated before, and then an old version ran again
+                aside = aside.with_name(aside.name + "-again")
             old.rename(aside)
             logger.warning(
                 "%s: kept the former files as %s; delete them when you no longer need them", directory, aside
