@@ -238,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compact-bytes", type=int, default=0, help="the server's --journal-compact-bytes (min 1 MiB)"
     )
+    parser.add_argument(
+        "--code", type=Path, default=None, help="run the service checked out in this folder (e.g. main's)"
+    )
     parser.add_argument("--drain-s", type=float, default=30.0, help="how long readers may take to drain")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     args = parser.parse_args(argv)
@@ -251,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             server_args += ["--data-dir", str(data_dir), "--durability", args.durability]
             if args.compact_bytes:
                 server_args += ["--journal-compact-bytes", str(args.compact_bytes)]
-        server = stack.enter_context(common.Server(group_size=args.group_size, extra_args=server_args))
+        entry = (args.code or common.REPO).resolve() / "buffer.py"
+        server = stack.enter_context(
+            common.Server(group_size=args.group_size, extra_args=server_args, entry=entry)
+        )
         target = Target(server)
         started = time.monotonic()
         try:

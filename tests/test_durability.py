@@ -200,10 +200,21 @@ def run_soak(*args: str) -> dict[str, Any]:
 
 
 def test_sigkill_in_the_middle_of_writes_and_reads_loses_nothing_and_repeats_nothing() -> None:
-    """bench/soak.py kills the service with SIGKILL every 4 s and restarts it on its folder;
-    writers retry until acknowledged. Every acknowledged uid is delivered exactly once."""
-    figures = run_soak("--seconds", "14", "--kill-every", "4", "--writers", "6")
-    assert figures["kills"] >= 2
+    """bench/soak.py kills the service with SIGKILL every 3 s, each kill timed to a read in
+    flight, and restarts it on its folder; compaction runs every MiB. Writers retry until
+    acknowledged. Every acknowledged uid is delivered exactly once."""
+    figures = run_soak(
+        "--seconds",
+        "14",
+        "--kill-every",
+        "3",
+        "--kill-on-read",
+        "--compact-bytes",
+        "1048576",
+        "--writers",
+        "6",
+    )
+    assert figures["kills"] >= 3
     assert figures["acked"] > 100
     assert figures["lost"] == 0
     assert figures["received_twice"] == figures["exported_twice"] == 0
