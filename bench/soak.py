@@ -103,9 +103,11 @@ async def writer(
                     await asyncio.sleep(0.05)
 
 
-async def reader(target: Target, ledger: Ledger, stop: asyncio.Event) -> None:
+async def reader(target: Target, ledger: Ledger, stop: asyncio.Event, every_s: float) -> None:
     async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
         while not stop.is_set():
+            if every_s:  # fewer, larger reads: each one a longer export
+                await asyncio.sleep(every_s)
             await target.up.wait()
             target.reading.set()
             try:
@@ -131,7 +133,7 @@ async def killer(target: Target, ledger: Ledger, args: argparse.Namespace, deadl
         if args.kill_on_read:  # within a few milliseconds of a read reaching the server
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(target.reading.wait(), 2.0)
-            await asyncio.sleep(random.uniform(0.0, 0.004))
+            await asyncio.sleep(random.uniform(0.0, args.kill_delay_ms / 1000))
         target.up.clear()
         started = time.monotonic()
         target.server.process.kill()  # type: ignore[union-attr]
@@ -150,7 +152,9 @@ async def soak(target: Target, args: argparse.Namespace) -> Ledger:
     ledger = Ledger()
     deadline = time.monotonic() + args.seconds
     stop = asyncio.Event()
-    readers = [asyncio.create_task(reader(target, ledger, stop)) for _ in range(args.readers)]
+    readers = [
+        asyncio.create_task(reader(target, ledger, stop, args.read_every)) for _ in range(args.readers)
+    ]
     jobs = [writer(i, target, args, ledger, deadline) for i in range(args.writers)]
     if args.kill_every:
         jobs.append(killer(target, ledger, args, deadline))
@@ -235,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", action="store_true", help="no --data-dir: the buffer in memory only")
     parser.add_argument("--kill-every", type=float, default=0.0, help="SIGKILL and restart every S seconds")
     parser.add_argument("--kill-on-read", action="store_true", help="time each kill to a read in flight")
+    parser.add_argument(
+        "--kill-delay-ms", type=float, default=4.0, help="with --kill-on-read: kill up to this long after"
+    )
+    parser.add_argument(
+        "--read-every", type=float, default=0.0, help="seconds each reader waits between reads"
+    )
     parser.add_argument(
         "--compact-bytes", type=int, default=0, help="the server's --journal-compact-bytes (min 1 MiB)"
     )
