@@ -284,6 +284,7 @@ class RolloutBuffer:
                 return ReadResult([], meta)
             finished: list[InstanceId] = []
             discarded: Counter[str] = Counter()
+            windows = [_Window.of(task) for task in tasks] if journal is not None else []
             for task in tasks:
                 task_finished, task_discarded = task.reset_window()
                 finished.extend(task_finished)
@@ -300,14 +301,17 @@ class RolloutBuffer:
                 journal.read(
                     encode({**header, "at": wall, "id": read_id}),
                     lambda: export.rows(groups, wall, read_id),
-                    lambda: self._unread(groups, taken),
+                    lambda: self._unread(groups, taken, windows),
                 )
             return ReadResult(groups, meta)
 
-    def _unread(self, groups: list[ReadyGroup], taken: int) -> None:
+    def _unread(self, groups: list[ReadyGroup], taken: int, windows: list[_Window]) -> None:
         """Give back the groups of a read the journal could not commit (under the lock, newest
-        read first): they go back to the head of their tasks, never counted as delivered.
-        The statistics window the read started stays started."""
+        read first): they go back to the head of their tasks, never counted as delivered, and
+        the statistics windows it closed are open again: the state a restart would replay."""
+        popped = Counter(group.task_type for group in groups)
+        for window in windows:
+            window.reopen(popped[window.task.task_type])
         for group in reversed(groups):
             task = self._tasks[group.task_type]
             task.ready.appendleft(group)
@@ -524,6 +528,35 @@ class RolloutBuffer:
             yield encode(state)
 
         return position, records()
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """A task's statistics window as a read closes it, to reopen if the read is taken back."""
+
+    task: TaskBuffer
+    stats: RewardStats
+    instances: set[InstanceId]
+    records: list[tuple[InstanceId, Record]]
+    finished: list[InstanceId]
+    discarded: Counter[str]
+
+    @classmethod
+    def of(cls, task: TaskBuffer) -> _Window:
+        return cls(
+            task, task.window, task.window_instances, task.window_records,
+            task.finished_instance_ids, task.window_discarded,
+        )  # fmt: skip
+
+    def reopen(self, popped: int) -> None:
+        """Merge it back in front of what the task gathered since; ``popped``: groups the
+        read took from this task, whose ids its pops added to ``finished``."""
+        task = self.task
+        task.window = self.stats.merge(task.window)
+        task.window_instances = self.instances | task.window_instances
+        task.window_records = self.records + task.window_records
+        task.finished_instance_ids = self.finished[: len(self.finished) - popped] + task.finished_instance_ids
+        task.window_discarded = self.discarded + task.window_discarded
 
 
 _DUPLICATE = encode({"e": "dup"})

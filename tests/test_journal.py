@@ -439,11 +439,13 @@ def test_a_full_disk_takes_reads_back_refuses_changes_and_recovers_without_a_res
     service.buffer.write_many(group("q1", [0, 1, 0, 1]))
     service.buffer.write_many(group("q2", [0, 1, 0, 1]))
     service.journal.wait_durable_blocking(5)
+    before = state(service.buffer)
     disk = FailingCommits(monkeypatch, sqlite3.OperationalError("database or disk is full"))
     assert [g.instance_id for g in service.buffer.read().groups] == ["q1", "q2"]
     with pytest.raises(StorageFailed, match="No space left on device"):
         service.journal.wait_durable_blocking(5)  # the reader gets a 503...
     assert [g.instance_id for g in service.buffer.peek()] == ["q1", "q2"]  # ...and the groups are back
+    assert state(service.buffer) == before  # as if the read had never been
     assert service.buffer.stats()["tasks"]["default"]["delivered_groups"] == 0
     with pytest.raises(StorageFailed):
         service.buffer.write(trajectory("q3", 1.0))  # refused before anything changes
