@@ -36,6 +36,9 @@ Group = tuple[Any, list[Item]]
 #: A failed trajectory is written with this reward; ``filter_item`` drops it.
 FAILURE_REWARD = -1.0
 
+#: ``extra_info.finish_reason`` of a trajectory still aborted after its continuations.
+ABORTED = "abort"
+
 
 def is_valid_reward(reward: Any) -> bool:
     """A reward the default pipeline trains on: a finite number in [0, 1]."""
@@ -48,14 +51,20 @@ def is_valid_reward(reward: Any) -> bool:
 
 
 def filter_item(item: Item, task_type: str) -> bool:
-    """Keep an item with an instance id, a list of messages and a reward in [0, 1].
+    """Keep an item with an instance id, a list of messages and a reward in [0, 1], whose
+    answer was not left aborted.
 
-    Failed trajectories carry ``FAILURE_REWARD`` and are dropped here.
+    Failed trajectories carry ``FAILURE_REWARD`` and are dropped here; so are those whose last
+    answer the engine still aborted after every continuation (``extra_info.finish_reason``
+    ``"abort"``): their last reply is cut where the engine stopped, not where the model did.
     """
+    extra_info = item.get("extra_info")
+    aborted = isinstance(extra_info, dict) and extra_info.get("finish_reason") == ABORTED
     return (
         "instance_id" in item
         and isinstance(item.get("messages"), list)
         and is_valid_reward(item.get("reward"))
+        and not aborted
     )
 
 

@@ -8,13 +8,19 @@ script plays the trainer, draining ``/get_rollout_data`` every second, and repor
 - the buffer process's resident memory while C trajectories are in flight (the generator
   runs in it; the trainer keeps what is buffered small).
 
+- with ``--capture both``, the same run with token capture off and on (the generator asks the
+  engine for token ids and logprobs, reads them and writes them as the trajectory's ``turns``),
+  and what capture costs in throughput.
+
     .venv/bin/python bench/generator_throughput.py                    # C=256, L=0.5 s; then C=1000
     .venv/bin/python bench/generator_throughput.py --concurrency 256 --latency-s 0.5 --seconds 20
+    .venv/bin/python bench/generator_throughput.py --concurrency 256 --capture both
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -25,7 +31,7 @@ DATA = common.REPO / "generator" / "data" / "math.jsonl"
 
 
 def measure(
-    concurrency: int, latency_s: float, jitter_s: float, warmup_s: float, seconds: float
+    concurrency: int, latency_s: float, jitter_s: float, warmup_s: float, seconds: float, capture: bool = True
 ) -> dict[str, Any]:
     latency = ["--latency-mean-s", str(latency_s), "--latency", "uniform" if jitter_s else "fixed"]
     latency += ["--latency-jitter-s", str(jitter_s)]
@@ -39,6 +45,7 @@ def measure(
             "num_process": str(concurrency),
             "num_epoch": "100000",
             "sampling_params": {"max_tokens": 256, "temperature": 1.0},
+            "capture": capture,
         }
         client.post("/start_rollout", json=payload).raise_for_status()
 
@@ -80,26 +87,43 @@ def main() -> None:
     )
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument(
+        "--capture",
+        choices=["on", "off", "both"],
+        default="on",
+        help="token capture (ids and logprobs asked for and written); both: off, then on, and the cost",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs of each mode, interleaved (off, on, off, on, ...)"
+    )
     args = parser.parse_args()
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.capture] * args.repeat
     rows = []
     for concurrency in args.concurrency:
-        result = measure(concurrency, args.latency_s, args.jitter_s, args.warmup_s, args.seconds)
-        rows.append(
-            [
-                concurrency,
-                args.latency_s,
-                f"{result['rate']:.0f}/s",
-                f"{result['ideal']:.0f}/s",
-                f"{100 * result['share']:.0f}%",
-                f"{result['rss_max'] / 2**20:.0f} MiB",
-            ]
-        )
-        print(
-            f"C={concurrency} L={args.latency_s}s: {rows[-1][2]} of ideal {rows[-1][3]} ({rows[-1][4]}); "
-            f"buffer+generator RSS max {rows[-1][5]}",
-            flush=True,
-        )
-    print(common.table(["C", "L (s)", "trajectories", "ideal C/L", "share", "RSS max"], rows))
+        rates: dict[bool, list[float]] = {}
+        for capture in modes:
+            result = measure(concurrency, args.latency_s, args.jitter_s, args.warmup_s, args.seconds, capture)
+            rates.setdefault(capture, []).append(result["rate"])
+            rows.append(
+                [
+                    concurrency,
+                    args.latency_s,
+                    "on" if capture else "off",
+                    f"{result['rate']:.0f}/s",
+                    f"{result['ideal']:.0f}/s",
+                    f"{100 * result['share']:.0f}%",
+                    f"{result['rss_max'] / 2**20:.0f} MiB",
+                ]
+            )
+            print(
+                f"C={concurrency} L={args.latency_s}s capture {rows[-1][2]}: {rows[-1][3]} "
+                f"of ideal {rows[-1][4]} ({rows[-1][5]}); buffer+generator RSS max {rows[-1][6]}",
+                flush=True,
+            )
+        if len(rates) == 2:
+            on, off = statistics.median(rates[True]), statistics.median(rates[False])
+            print(f"C={concurrency}: capture costs {100 * (1 - on / off):.1f}% of throughput (medians)")
+    print(common.table(["C", "L (s)", "capture", "trajectories", "ideal C/L", "share", "RSS max"], rows))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from buffer import __version__
 from buffer.errors import RolloutBufferError
 from buffer.history import History
+from buffer.job_policy import JobPolicy
 from buffer.jobs import JobManager
 from buffer.journal import Journal
 from buffer.logs import RequestIdMiddleware
@@ -51,9 +52,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         journal = None if settings.data_dir is None else await asyncio.to_thread(_restore, buffer, settings)
         ready = ReadySignal()
         buffer.add_listener(ready.notify)
-        job_manager = JobManager(buffer, local_url(settings))
+        job_manager = JobManager(buffer, local_url(settings), policy=JobPolicy.from_settings(settings))
         if journal is not None:
-            _resume_jobs(buffer, registry, job_manager, resume=settings.resume_jobs)
+            await job_manager.resume(registry, enabled=settings.resume_jobs)
         history = History()
         app.state.services = Services(settings, buffer, registry, job_manager, ready, history)
         sweeper = asyncio.create_task(
@@ -121,22 +122,6 @@ def _restore(buffer: RolloutBuffer, settings: Settings) -> Journal:
         len(stats["tasks"]),
     )
     return journal
-
-
-def _resume_jobs(
-    buffer: RolloutBuffer, registry: GeneratorRegistry, jobs: JobManager, *, resume: bool
-) -> None:
-    """Start again the jobs that were running when the service stopped, as they were started
-    (the generator runs from its beginning, writing into the groups restored)."""
-    for task_type, spec in list(buffer.jobs.items()):
-        generator = registry.generators.get(spec["generator"])
-        if not resume or generator is None:
-            if resume:
-                logger.error("not resuming the %s rollout: no generator %r now", task_type, spec["generator"])
-            buffer.job_ended(task_type)
-            continue
-        job = jobs.start(generator, spec["data"], name=task_type)
-        logger.info("%s: resumed the %s rollout that was running when the service stopped", job.id, task_type)
 
 
 async def _sweep_timeouts(buffer: RolloutBuffer, history: History, interval_s: float) -> None:

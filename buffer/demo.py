@@ -162,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 str(port),
                 "--log-level",
                 "info",
+                "--input-roots",  # the data set may lie anywhere: the demo names it
+                str(Path(args.input_file).resolve().parent),
             ]
             process = stack.enter_context(started(command, "rollout buffer", logs / "buffer.log"))
             wait_ready(f"{buffer_url}/health", process, 60, "the rollout buffer")

@@ -9,6 +9,12 @@ and shutdown cancels and awaits what is still running.
 Python cannot stop a thread, so cancelling a sync generator is cooperative: the job turns
 ``cancelled`` at once, and the generator can see ``current_job().cancel_requested`` and
 return. An async generator is cancelled outright.
+
+With a data folder, the jobs running when the service stops run again after its restart
+(``resume``), each given in ``data["resume"]`` what it had produced (the buffer's
+``resume_point``) so it makes only what is missing. A job that was running at
+``MAX_CRASHES`` stops in a row without a clean shutdown (a generator that kills the process,
+or exhausts its memory) is not resumed again: it is listed as failed, with the reason.
 """
 
 from __future__ import annotations
@@ -26,15 +32,19 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from buffer.errors import UnknownJob
-from buffer.registry import Generator, where
+from buffer.errors import InvalidInput, UnknownJob
+from buffer.job_policy import JobPolicy
+from buffer.registry import Generator, GeneratorRegistry, where
 from buffer.rollout_buffer import RolloutBuffer
 
 logger = logging.getLogger(__name__)
 
 CANCEL_WAIT_S = 5.0  # how long a cancel waits for an async generator to stop
+#: A job running at this many crashes of the service in a row is not resumed again.
+MAX_CRASHES = 2
 
 _current_job: contextvars.ContextVar[Job | None] = contextvars.ContextVar("current_job", default=None)
 
@@ -61,6 +71,8 @@ class Job:
     #: The service's buffer and address: a generator in this process writes to it directly.
     buffer: RolloutBuffer | None = field(default=None, repr=False)
     buffer_url: str | None = None
+    #: What it may read and call; the service's API key goes only where this allows.
+    policy: JobPolicy | None = field(default=None, repr=False)
     status: JobStatus = JobStatus.RUNNING
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
@@ -97,33 +109,100 @@ class Job:
 
 
 class JobManager:
-    def __init__(self, buffer: RolloutBuffer, buffer_url: str, keep: int = 1000) -> None:
+    def __init__(
+        self, buffer: RolloutBuffer, buffer_url: str, keep: int = 1000, *, policy: JobPolicy | None = None
+    ) -> None:
         self._buffer = buffer
         self._buffer_url = buffer_url
+        self.policy = policy or JobPolicy(input_roots=(Path.cwd(),))
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._ids = itertools.count(1)
         self._keep = keep
         self._stopping = False
 
+    async def check(self, data: dict[str, Any]) -> dict[str, Any]:
+        """``data`` as a job may run it (``JobPolicy.check``): call before ``start``."""
+        return await self.policy.check(data, self._buffer_url)
+
     def start(self, generator: Generator, data: dict[str, Any], *, name: str | None = None) -> Job:
         """Run ``generator.run_rollout(data)`` in the background, as the buffer task ``name``
-        (default: the generator's task type). Call on the event loop."""
+        (default: the generator's task type), ``data`` as ``check`` returned it. Call on the
+        event loop."""
         task_type = name or generator.task_type
+        job = self._new_job(task_type, str(generator.path), data)
+        self._buffer.job_started(task_type, generator.task_type, data)
+        self._launch(job, generator)
+        logger.info("%s: started %s (%s)", job.id, task_type, generator.path)
+        return job
+
+    async def resume(self, registry: GeneratorRegistry, *, enabled: bool = True) -> list[Job]:
+        """Start again the jobs the buffer restored as running (``enabled``; else forget them),
+        each to make only what its earlier runs did not; fail those caught in a crash loop.
+
+        Each resume is on disk before its generator runs: one that kills the process at once
+        still counts as a crash."""
+        jobs: list[Job] = []
+        launches: list[tuple[Job, Generator]] = []
+        for task_type, spec in list(self._buffer.jobs.items()):
+            generator = registry.generators.get(spec["generator"])
+            if not enabled or generator is None:
+                if enabled:
+                    logger.error("not resuming %s: no generator %r now", task_type, spec["generator"])
+                self._buffer.job_ended(task_type)
+                continue
+            crashes = self._buffer.crashes_if_resumed(task_type)
+            if crashes >= MAX_CRASHES:
+                reason = (
+                    f"the service stopped without shutting down {crashes} times in a row while this "
+                    "job ran (a generator that kills the process or exhausts its memory?)"
+                )
+                jobs.append(self._not_resumed(task_type, generator, spec["data"], reason))
+                continue
+            try:
+                data = await self.check(spec["data"])
+            except InvalidInput as exc:  # the policy changed since it started
+                jobs.append(self._not_resumed(task_type, generator, spec["data"], exc.message))
+                continue
+            self._buffer.job_resumed(task_type, crashes)
+            data["resume"] = self._buffer.resume_point(task_type)
+            job = self._new_job(task_type, str(generator.path), data)
+            launches.append((job, generator))
+            jobs.append(job)
+            logger.info(
+                "%s: resuming the %s rollout that was running when the service %s",
+                job.id,
+                task_type,
+                "crashed" if crashes else "stopped",
+            )
+        await self._buffer.wait_durable()
+        for job, generator in launches:
+            self._launch(job, generator)
+        return jobs
+
+    def _not_resumed(self, task_type: str, generator: Generator, data: dict[str, Any], why: str) -> Job:
+        job = self._new_job(task_type, str(generator.path), data)
+        reason = f"not resumed: {why}; /start_rollout starts it again"
+        self._finish(job, JobStatus.FAILED, reason)
+        logger.error("%s: %s rollout %s", job.id, task_type, reason)
+        return job
+
+    def _new_job(self, task_type: str, generator_file: str, data: dict[str, Any]) -> Job:
         job = Job(
             id=f"job-{next(self._ids)}",
             task_type=task_type,
-            generator_file=str(generator.path),
+            generator_file=generator_file,
             data=data,
             written_at_start=self._buffer.written(task_type),
             buffer=self._buffer,
             buffer_url=self._buffer_url,
+            policy=self.policy,
         )
         self._jobs[job.id] = job
         self._forget_old()
-        self._buffer.job_started(task_type, generator.task_type, data)
-        job._task = asyncio.get_running_loop().create_task(self._run(job, generator), name=job.id)
-        logger.info("%s: started %s (%s)", job.id, task_type, generator.path)
         return job
+
+    def _launch(self, job: Job, generator: Generator) -> None:
+        job._task = asyncio.get_running_loop().create_task(self._run(job, generator), name=job.id)
 
     async def _run(self, job: Job, generator: Generator) -> None:
         token = _current_job.set(job)
@@ -204,9 +283,11 @@ class JobManager:
         return job
 
     async def shutdown(self) -> None:
+        """Stop every job; each runs again after a restart, and this stop is no crash."""
         self._stopping = True
         for job in list(self._jobs.values()):
             if not job.done:
+                self._buffer.job_paused(job.task_type)
                 await self.cancel(job.id)
 
 

@@ -1,13 +1,20 @@
 """The shapes at the HTTP edge: trajectories and request bodies, validated with pydantic.
 
-Validation errors become ``InvalidInput`` naming each field (``messages.2.content``) and the
-reason; nothing is buffered from a request that fails.
+Validation errors become ``InvalidInput`` naming each field (``messages.2.content``,
+``turns.1.output_logprobs``) and the reason; nothing is buffered from a request that fails.
+
+A trajectory may carry the engine's token records (``turns``): what each policy request received and
+sampled, in token ids. Their checks that span fields (lengths that agree, a prompt that extends what the
+previous turn provides, a turn that points at an assistant message) run after the single pass, only on
+trajectories that have turns, and name the field as pydantic would.
 """
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -15,11 +22,13 @@ from pydantic import (
     ConfigDict,
     Field,
     Strict,
+    StrictBool,
     StrictStr,
     TypeAdapter,
     ValidationError,
     field_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from typing_extensions import NotRequired, TypedDict
 
 from buffer.encoding import INT64_MAX, INT64_MIN
@@ -34,6 +43,14 @@ Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 FiniteNumber = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 InstanceId = Annotated[StrictStr, Field(min_length=1)] | Annotated[Int64, Strict()]
 Ratio = Annotated[float, Field(ge=0, le=1)]
+#: A token id as engines use them: a non-negative 32-bit integer (the trainer's tensors are int32 or int64).
+#: The range is checked after the single pass, a list at a time (`_first_bad_id`): pydantic's per-item
+#: bounds cost more than parsing the ids (60 us against 23 us for 1,200 ids).
+TokenId = Annotated[int, Strict(), Field(json_schema_extra={"minimum": 0, "exclusiveMaximum": 2**31})]
+TOKEN_ID_LIMIT = 2**31
+_HIGH_BYTE = 3 if sys.byteorder == "little" else 0
+_BELOW_128 = bytes(range(128))
+Count = Annotated[int, Strict(), Field(ge=0, le=INT64_MAX)]
 
 # Trajectories are TypedDicts, not models: pydantic validates them straight from the request
 # bytes into plain dicts (extra keys kept), the form the buffer stores, in one pass.
@@ -51,6 +68,11 @@ class ChatMessage(TypedDict):
     role: Annotated[StrictStr, Field(min_length=1)]
     content: NotRequired[StrictStr | list[ContentPart] | None]
     tool_calls: NotRequired[list[dict[str, Any]] | None]
+    #: The model's reasoning, as vLLM and SGLang return it beside the content.
+    reasoning_content: NotRequired[StrictStr | None]
+    #: True on each assistant message the policy produced in this trajectory (absent on all messages:
+    #: the assistant messages after the last user message count as generated).
+    generated: NotRequired[StrictBool]
 
 
 def _content_or_tool_calls(message: ChatMessage) -> ChatMessage:
@@ -60,6 +82,37 @@ def _content_or_tool_calls(message: ChatMessage) -> ChatMessage:
 
 
 CheckedMessage = Annotated[ChatMessage, AfterValidator(_content_or_tool_calls)]
+
+
+class Tool(TypedDict):
+    """A tool the model was given, in OpenAI's form: ``{"type": "function", "function": {...}}``."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
+    type: Annotated[StrictStr, Field(min_length=1)]
+
+
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+
+
+class Turn(TypedDict):
+    """One policy request of the trajectory, in the engine's token ids.
+
+    The turn's full prompt is ``(full prompt + output_ids of the previous turn)[:prompt_offset] +
+    prompt_ids``; ``prompt_offset`` 0 means ``prompt_ids`` is the whole prompt. A reply the engine
+    aborted and the generator continued stays one turn: its output ids and logprobs are concatenated.
+    """
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
+    prompt_ids: list[TokenId]
+    prompt_offset: NotRequired[Count]
+    output_ids: list[TokenId]
+    #: The sampling logprob of each output id, or null when the engine gave none.
+    output_logprobs: NotRequired[list[FiniteNumber] | None]
+    finish_reason: FinishReason
+    #: The index in ``messages`` of the assistant message this turn produced.
+    message_index: Count
+    weight_version: NotRequired[StrictStr | Annotated[Int64, Strict()] | None]
+    sampling: NotRequired[dict[str, Any] | None]
 
 
 class Trajectory(TypedDict):
@@ -73,14 +126,123 @@ class Trajectory(TypedDict):
     reward: FiniteNumber | dict[str, FiniteNumber]
     extra_info: NotRequired[dict[str, Any]]
     task_type: NotRequired[Annotated[StrictStr, Field(min_length=1)] | None]
+    #: The tools the model was given (absent: none).
+    tools: NotRequired[list[Tool] | None]
+    #: The engine's token records, one per assistant message the policy generated, in order.
+    turns: NotRequired[list[Turn] | None]
+
+
+def _turns_agree(trajectory: Trajectory) -> Trajectory:
+    """The checks on ``turns`` that span fields; a no-op without turns, so text-only writes pay nothing."""
+    turns = trajectory.get("turns")
+    if turns:
+        errors = list(turn_errors(trajectory["messages"], turns))
+        if errors:
+            raise ValidationError.from_exception_data(
+                "Trajectory",
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError("turns", "{reason}", {"reason": reason}),
+                        loc=loc,
+                        input=value,
+                    )
+                    for loc, reason, value in errors
+                ],
+            )
+    return trajectory
+
+
+def turn_errors(
+    messages: Sequence[ChatMessage], turns: Sequence[Turn]
+) -> list[tuple[tuple[str | int, ...], str, object]]:
+    """What is wrong across the fields of already typed turns: ``(loc, reason, value)`` for each."""
+    errors: list[tuple[tuple[str | int, ...], str, object]] = []
+    available = 0  # the previous turn's full prompt plus its output, in tokens
+    last_index = -1
+    for n, turn in enumerate(turns):
+        output_ids = turn["output_ids"]
+        for name in ("prompt_ids", "output_ids"):
+            ids = turn[name]
+            at = _first_bad_id(ids)
+            if at is not None:
+                errors.append((("turns", n, name, at), f"is {ids[at]}: a token id is in [0, 2**31)", ids[at]))
+        logprobs = turn.get("output_logprobs")
+        if logprobs is not None and len(logprobs) != len(output_ids):
+            errors.append(
+                (
+                    ("turns", n, "output_logprobs"),
+                    f"{len(logprobs)} logprobs for {len(output_ids)} output_ids; expected one per id",
+                    len(logprobs),
+                )
+            )
+        offset = turn.get("prompt_offset", 0)
+        if offset > available:
+            where = (
+                "the first turn has no previous tokens" if n == 0 else f"turn {n - 1} provides {available}"
+            )
+            errors.append(
+                (
+                    ("turns", n, "prompt_offset"),
+                    f"is {offset}, past the tokens available ({where})",
+                    offset,
+                )
+            )
+        index = turn["message_index"]
+        if index >= len(messages):
+            errors.append(
+                (
+                    ("turns", n, "message_index"),
+                    f"is {index}, out of range for {len(messages)} messages",
+                    index,
+                )
+            )
+        elif messages[index]["role"] != "assistant":
+            errors.append(
+                (
+                    ("turns", n, "message_index"),
+                    f"points at a {messages[index]['role']!r} message, not an assistant one",
+                    index,
+                )
+            )
+        elif index <= last_index:
+            errors.append(
+                (
+                    ("turns", n, "message_index"),
+                    f"is {index}, not after the previous turn's {last_index}: turns go in order, "
+                    "one per assistant message",
+                    index,
+                )
+            )
+        last_index = max(last_index, index)
+        available = min(offset, available) + len(turn["prompt_ids"]) + len(output_ids)
+    return errors
+
+
+def _first_bad_id(ids: list[int]) -> int | None:
+    """The index of the first id outside [0, 2**31), if any.
+
+    Packed as C unsigned ints (which refuses negative and too large values), then the high byte of each
+    read at once: a tenth of the time of ``min``/``max`` over the list, which matters at thousands of ids.
+    """
+    try:
+        packed = array("I", ids)
+    except OverflowError:  # a negative id, or one of 2**32 or more
+        pass
+    else:
+        if packed.itemsize == 4 and not packed.tobytes()[_HIGH_BYTE::4].translate(None, _BELOW_128):
+            return None  # no high byte of 128 or more: every id is below 2**31
+    return next((i for i, value in enumerate(ids) if not 0 <= value < TOKEN_ID_LIMIT), None)
+
+
+CheckedTrajectory = Annotated[Trajectory, AfterValidator(_turns_agree)]
 
 
 class TrajectoryBatch(TypedDict):
-    trajectories: list[Trajectory]
+    trajectories: list[CheckedTrajectory]
 
 
-TRAJECTORY = TypeAdapter(Trajectory)
-TRAJECTORIES = TypeAdapter(list[Trajectory])
+TRAJECTORY = TypeAdapter(CheckedTrajectory)
+TRAJECTORIES = TypeAdapter(list[CheckedTrajectory])
 TRAJECTORY_BATCH = TypeAdapter(TrajectoryBatch)
 
 

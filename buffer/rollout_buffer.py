@@ -404,9 +404,11 @@ class RolloutBuffer:
     # -- generator jobs ----------------------------------------------------------------
 
     def job_started(self, task_type: str, generator: str, data: dict[str, Any]) -> None:
-        """Remember that ``generator`` runs as ``task_type`` with ``data``, across restarts."""
+        """Remember that ``generator`` runs as ``task_type`` with ``data``, across restarts,
+        and count the groups of the task that finish from now on (``resume_point``)."""
         with self._lock:
-            self.jobs[task_type] = {"generator": generator, "data": data}
+            self.jobs[task_type] = {"generator": generator, "data": data, "crashes": 0}
+            self._task(task_type).job_finished = Counter()
             if self._journal is not None:
                 self._journal.append(encode({"e": "job", "t": task_type, "g": generator, "data": data}))
 
@@ -415,6 +417,51 @@ class RolloutBuffer:
         with self._lock:
             if self.jobs.pop(task_type, None) is not None and self._journal is not None:
                 self._journal.append(encode({"e": "job_end", "t": task_type}))
+            if (task := self._tasks.get(task_type)) is not None:
+                task.job_finished = None
+
+    def job_paused(self, task_type: str) -> None:
+        """The service is shutting down cleanly with the task's job running: it resumes after
+        the restart, and this stop is no crash."""
+        with self._lock:
+            spec = self.jobs.get(task_type)
+            if spec is not None:
+                spec["paused"] = True
+                if self._journal is not None:
+                    self._journal.append(encode({"e": "job_pause", "t": task_type}))
+
+    def crashes_if_resumed(self, task_type: str) -> int:
+        """How many times in a row the service has stopped without shutting down while the
+        task's job ran, counting the stop just before this start: 0 after a clean stop."""
+        with self._lock:
+            spec = self.jobs[task_type]
+            return 0 if spec.get("paused") else int(spec.get("crashes", 0)) + 1
+
+    def job_resumed(self, task_type: str, crashes: int) -> None:
+        """The task's job runs again after a restart; ``crashes`` as ``crashes_if_resumed``."""
+        with self._lock:
+            spec = self.jobs[task_type]
+            spec["crashes"], spec["paused"] = crashes, False
+            if self._journal is not None:
+                self._journal.append(encode({"e": "job_resume", "t": task_type, "crashes": crashes}))
+
+    def resume_point(self, task_type: str) -> dict[str, Any]:
+        """What the task's job has produced since it started, for the job resumed to make only
+        what is missing: ``finished_groups``, ``[instance_id, groups]`` finished (delivered,
+        ready, discarded or set aside); ``open_groups``, ``[instance_id, repeats]`` with the
+        ``extra_info.repeat`` of each trajectory an open group holds (``None`` where absent).
+        Groups that timed out while the service was down finish first, as they would have."""
+        with self._lock:
+            task = self._task(task_type)
+            task.expire(self._clock())
+            finished = task.job_finished or Counter()
+            return {
+                "finished_groups": [[instance_id, count] for instance_id, count in finished.items()],
+                "open_groups": [
+                    [group.instance_id, [_repeat_of(record.raw) for record in group.records]]
+                    for group in task.open.values()
+                ],
+            }
 
     # -- the journal -------------------------------------------------------------------
 
@@ -461,9 +508,16 @@ class RolloutBuffer:
                 task.reset_window()
             self.reads = header["id"]
         elif kind == "job":
-            self.jobs[header["t"]] = {"generator": header["g"], "data": header["data"]}
+            self.jobs[header["t"]] = {"generator": header["g"], "data": header["data"], "crashes": 0}
+            self._task(header["t"]).job_finished = Counter()
         elif kind == "job_end":
             self.jobs.pop(header["t"], None)
+            if (ended := self._tasks.get(header["t"])) is not None:
+                ended.job_finished = None
+        elif kind == "job_pause":
+            self.jobs[header["t"]]["paused"] = True
+        elif kind == "job_resume":
+            self.jobs[header["t"]].update(crashes=header["crashes"], paused=False)
         elif kind == "task":
             source = header["h"]
             settings = TaskSettings(**header["s"])
@@ -475,6 +529,10 @@ class RolloutBuffer:
             self.reads, self._written_seq = header["reads"], header["written_seq"]
             self.recent.extend(tuple(entry) for entry in header["recent"])
             self.jobs = header.get("jobs", {})
+            for task_type, spec in self.jobs.items():
+                finished = spec.pop("finished", None)
+                if finished is not None:
+                    self._task(task_type).job_finished = Counter({iid: count for iid, count in finished})
             for uid in header["uids"]:
                 self._remember(uid)
         else:
@@ -501,6 +559,12 @@ class RolloutBuffer:
         if self._journal is not None:
             await self._journal.wait_durable()
 
+    def _job_record(self, task_type: str, spec: dict[str, Any]) -> dict[str, Any]:
+        """A job as the snapshot keeps it: with the groups its task finished since it started."""
+        task = self._tasks.get(task_type)
+        finished = task.job_finished if task is not None else None
+        return {**spec, "finished": list(map(list, finished.items())) if finished is not None else None}
+
     def snapshot(self) -> tuple[int, Iterator[bytes]]:
         """The journal's position and the records of the state as of it: the references are
         copied under the lock, the encoding happens as they are read."""
@@ -518,7 +582,7 @@ class RolloutBuffer:
                 "reads": self.reads,
                 "written_seq": self._written_seq,
                 "recent": list(self.recent),
-                "jobs": dict(self.jobs),
+                "jobs": {name: self._job_record(name, spec) for name, spec in self.jobs.items()},
                 "uids": list(self._uid_order),
             }
 
@@ -560,6 +624,13 @@ class _Window:
 
 
 _DUPLICATE = encode({"e": "dup"})
+
+
+def _repeat_of(raw: bytes) -> int | None:
+    """A trajectory's ``extra_info.repeat``, where the toolkit wrote one."""
+    extra_info = encoding.loads(raw).get("extra_info")
+    repeat = extra_info.get("repeat") if isinstance(extra_info, dict) else None
+    return repeat if isinstance(repeat, int) and not isinstance(repeat, bool) else None
 
 
 def _scalar_reward(field: str, reward: dict[str, Any], reward_key: str | None) -> float:

@@ -79,6 +79,21 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(
         64 * 2**20, ge=1024, description="a request body larger than this gets 413"
     )
+    input_roots: list[Path] | None = Field(
+        None,
+        description="folders a /start_rollout input_file may lie in (default: the generator folder's "
+        "data and the working folder); anything else, or a device file, gets 422",
+    )
+    allowed_engine_hosts: list[str] | None = Field(
+        None,
+        description="hosts a generator job may call for a client (remote_engine_url, reward model and "
+        "other *_url fields; this service is always allowed); default: any host",
+    )
+    send_api_key_to: list[str] = Field(
+        default_factory=list,
+        description="hosts a job's remote_buffer_url may name to be sent this service's own API key; "
+        "default: none (a client naming another buffer sends its key as buffer_api_key)",
+    )
     api_key: SecretStr | None = Field(
         None,
         description="require 'Authorization: Bearer <key>' on every endpoint but GET / and /health; "

@@ -2,76 +2,80 @@
 
 It replaces slime's ``slime_plugins/rollout_buffer/rollout_buffer_example.py`` with the same
 arguments (``--rollout-buffer-url``, ``--rollout-task-type``, ``--prompt-data``,
-``--n-samples-per-prompt``, ``--rollout-batch-size``, ...) and fixes what that example gets
-wrong:
+``--n-samples-per-prompt``, ``--rollout-batch-size``, ...) and returns what slime's trainer
+takes (``RolloutFnTrainOutput`` of ``rollout_batch_size`` groups, ``RolloutFnEvalOutput``):
 
-- it counts groups, not samples (the example subtracts a buffer length in groups from a
-  number of samples);
-- groups fetched beyond this step's need are kept in the data source for the next step
-  instead of being dropped;
-- every sample is converted by one ``SampleConverter`` (the tokenizer and template analysed
-  once), with the template's exact tokens and a loss mask right for multi-turn tool use;
+- it counts groups, not samples; groups fetched beyond a step's need stay in the data source
+  for the next step, and every group read is put there as soon as it is converted, so a
+  failure later in the step loses nothing;
+- a trajectory the converter refuses never fails the step: it is a placeholder in its group,
+  counted and logged (`buffer.slime_samples` has the rules for samples, rewards, log probs
+  and branches);
+- the rollout keeps going when the generator's pass over the data ends: another pass starts
+  (slime's ``--num-rollout`` may need more groups than the passes give, since the buffer
+  drops groups with nothing to learn from); a job that failed is an error with its reason;
+- ``--apply-chat-template-kwargs`` reach both the engine (the request's
+  ``chat_template_kwargs``) and the conversion, so the trained tokens are rendered as the
+  generated ones were;
+- evaluation runs slime's eval data sets (``--eval-config`` or ``--eval-prompt-data``, see
+  `buffer.slime_eval`) through the buffer as evaluation rollouts;
 - the finished groups the buffer reports are recorded in the data source's metadata, so a
-  resume sends them back as ``skip_instance_ids``;
-- evaluation works: the eval data sets run through the buffer as evaluation rollouts (every
-  group kept, raw rewards) and come back in slime's eval output.
+  resume sends them back as ``skip_instance_ids``.
 
-slime's own types are used when slime is importable; without it (in this project's tests)
-``Sample`` and the output types are structural stand-ins with the same fields.
+``--rollout-top-p`` other than 1 is refused up front: slime then replays the engine's top-p
+token sets in training, which the buffer's trajectories do not carry, and would fail its
+assertion only after a step's rollout.
 """
 
 from __future__ import annotations
 
-import enum
+import json
 import logging
+import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 
 from buffer.client import RolloutBufferClient
-from buffer.samples import SampleConverter, TrainingSample
+from buffer.samples import SampleConverter
+from buffer.slime_eval import eval_output, eval_sets, sampling_params, template_kwargs
+from buffer.slime_samples import (
+    Converted,
+    RolloutLogProbsMissing,
+    SampleBuilder,
+    StepCounts,
+    convert,
+    finish_step,
+    normalize_rewards_by_group,
+)
+
+__all__ = ["close_sessions", "generate_rollout", "normalize_rewards_by_group"]
 
 logger = logging.getLogger(__name__)
 
-try:  # pragma: no cover - only with slime installed
-    from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
-    from slime.utils.types import Sample
-except ImportError:
+#: Each read waits up to this long for a group (it returns as soon as one is ready); between
+#: empty reads the adapter checks that the rollout is still running.
+WAIT_S = 5.0
+CLIENT_RETRY_S = 90.0  # how long a request to the buffer is retried: a restart takes seconds to a minute
 
-    @dataclass
-    class Sample:  # type: ignore[no-redef]
-        """The fields of slime's ``slime.utils.types.Sample`` this adapter sets."""
 
-        class Status(enum.Enum):
-            PENDING = "pending"
-            COMPLETED = "completed"
-            TRUNCATED = "truncated"
-            ABORTED = "aborted"
-            FAILED = "failed"
+class _TemplateKwargs:
+    """A tokenizer whose ``apply_chat_template`` always gets slime's chat-template kwargs
+    (``--apply-chat-template-kwargs``, e.g. ``enable_thinking``); the rest is the tokenizer's."""
 
-        group_index: int | None = None
-        index: int | None = None
-        prompt: str | list[dict[str, Any]] = ""
-        tokens: list[int] = field(default_factory=list)
-        response: str = ""
-        response_length: int = 0
-        label: str | None = None
-        reward: float | dict[str, Any] | None = None
-        loss_mask: list[int] | None = None
-        rollout_log_probs: list[float] | None = None
-        status: Sample.Status = Status.PENDING
-        metadata: dict[str, Any] = field(default_factory=dict)
+    def __init__(self, tokenizer: Any, kwargs: Mapping[str, Any]) -> None:
+        self._tokenizer = tokenizer
+        self._kwargs = dict(kwargs)
 
-    @dataclass
-    class RolloutFnTrainOutput:  # type: ignore[no-redef]
-        samples: list[list[Sample]]
-        metrics: dict[str, Any] | None = None
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
 
-    @dataclass
-    class RolloutFnEvalOutput:  # type: ignore[no-redef]
-        data: dict[str, dict[str, Any]]
-        metrics: dict[str, Any] | None = None
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer.apply_chat_template(*args, **{**self._kwargs, **kwargs})
 
 
 @dataclass
@@ -80,17 +84,28 @@ class _Session:
     every step, so this is the one piece of process state, keyed by buffer URL and task."""
 
     client: RolloutBufferClient
-    converter: SampleConverter
+    tokenizer: Any
+    builder: SampleBuilder
+    converters: dict[str, SampleConverter] = field(default_factory=dict)
     started: bool = False
-    groups_made: int = 0
+    groups_read: int = 0
+    #: groups read when the current pass started, and whether it skipped nothing
+    groups_at_pass_start: int = 0
+    fresh_pass: bool = False
+
+    def converter(self, chat_template_kwargs: Mapping[str, Any] | None) -> SampleConverter:
+        """One converter per set of chat-template kwargs (each analyses its template once)."""
+        key = json.dumps(dict(chat_template_kwargs or {}), sort_keys=True, default=str)
+        converter = self.converters.get(key)
+        if converter is None:
+            tokenizer = self.tokenizer
+            if chat_template_kwargs:
+                tokenizer = cast(Any, _TemplateKwargs(tokenizer, chat_template_kwargs))
+            converter = self.converters[key] = SampleConverter(tokenizer)
+        return converter
 
 
 _SESSIONS: dict[tuple[str, str], _Session] = {}
-
-#: Each read waits up to this long for a group (it returns as soon as one is ready); between
-#: empty reads the adapter checks that the rollout is still running.
-WAIT_S = 5.0
-CLIENT_ATTEMPTS = 20  # with backoff up to 10 s between them: about a minute and a half
 
 
 def close_sessions() -> None:
@@ -107,191 +122,223 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     return _train(args, rollout_id, data_source, session)
 
 
+def check_args(args: Any) -> None:
+    """Refuse, before anything runs, what slime's trainer would fail on later."""
+    top_p = getattr(args, "rollout_top_p", 1.0)
+    if top_p != 1.0:
+        raise ValueError(
+            f"--rollout-top-p {top_p}: slime then trains on the engine's top-p token sets "
+            "(rollout_top_p_token_ids), which trajectories from the rollout buffer do not carry; "
+            "run with --rollout-top-p 1.0 (--eval-top-p is free to differ)"
+        )
+
+
 def _session(args: Any) -> _Session:
     key = (args.rollout_buffer_url, args.rollout_task_type)
     session = _SESSIONS.get(key)
     if session is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
-        # Patient: a restart of the buffer (on its --data-dir, with its jobs resumed) takes
-        # seconds to a minute, and training should ride it out rather than stop.
-        client = RolloutBufferClient(
-            args.rollout_buffer_url,
-            api_key=getattr(args, "rollout_buffer_api_key", None),
-            max_attempts=CLIENT_ATTEMPTS,
-        )
-        session = _SESSIONS[key] = _Session(client, SampleConverter(tokenizer))
+        check_args(args)
+        session = _SESSIONS[key] = _Session(_client(args), _tokenizer(args), SampleBuilder(args))
     return session
 
 
-def _payload(args: Any) -> dict[str, Any]:
+def _tokenizer(args: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
+
+
+def _client(args: Any) -> RolloutBufferClient:
+    # Patient: a restart of the buffer (on its --data-dir, with its jobs resumed) takes
+    # seconds to a minute, and training should ride it out rather than stop.
+    return RolloutBufferClient(
+        args.rollout_buffer_url,
+        api_key=getattr(args, "rollout_buffer_api_key", None),
+        max_retry_s=CLIENT_RETRY_S,
+    )
+
+
+def _prompts(path: str) -> int:
+    with Path(path).open("rb") as lines:
+        return sum(1 for line in lines if line.strip())
+
+
+def _payload(
+    args: Any, *, input_file: str, n: int, num_epoch: int, sampling: dict[str, Any]
+) -> dict[str, Any]:
     """slime's ``/start_rollout`` payload, as its example builds it."""
     return {
         "num_process": str(getattr(args, "rollout_num_process", None) or 100),
-        "num_epoch": str(getattr(args, "num_epoch", None) or 3),
+        "num_epoch": str(num_epoch),
         "remote_engine_url": f"http://{args.sglang_router_ip}:{args.sglang_router_port}",
         "remote_buffer_url": args.rollout_buffer_url,
-        "input_file": args.prompt_data,
-        "num_repeat_per_sample": str(args.n_samples_per_prompt),
-        "max_tokens": str(args.rollout_max_response_len),
-        "sampling_params": {
-            "max_tokens": args.rollout_max_response_len,
-            "temperature": args.rollout_temperature,
-            "top_p": args.rollout_top_p,
-        },
+        "input_file": input_file,
+        "num_repeat_per_sample": str(n),
+        "max_tokens": str(sampling["max_tokens"]),
+        "sampling_params": sampling,
         "tokenizer_path": args.hf_checkpoint,
     }
 
 
+def _train_payload(args: Any) -> dict[str, Any]:
+    """The generator's passes over ``--prompt-data``: ``--num-epoch``, or as many as
+    ``--num-rollout`` steps of ``--rollout-batch-size`` groups need (another starts if short)."""
+    epochs = getattr(args, "num_epoch", None)
+    num_rollout = getattr(args, "num_rollout", None)
+    if not epochs and num_rollout:
+        prompts = _prompts(args.prompt_data)
+        epochs = math.ceil(num_rollout * args.rollout_batch_size / prompts) if prompts else 1
+    sampling = sampling_params(
+        max_tokens=args.rollout_max_response_len,
+        temperature=args.rollout_temperature,
+        top_p=getattr(args, "rollout_top_p", 1.0),
+        top_k=getattr(args, "rollout_top_k", None),
+        stop=getattr(args, "rollout_stop", None),
+        chat_template_kwargs=template_kwargs(getattr(args, "apply_chat_template_kwargs", None)),
+    )
+    return _payload(
+        args,
+        input_file=args.prompt_data,
+        n=args.n_samples_per_prompt,
+        num_epoch=epochs or 1,
+        sampling=sampling,
+    )
+
+
+def _start(args: Any, session: _Session, skip: list[Any]) -> None:
+    session.client.start_rollout(args.rollout_task_type, **_train_payload(args), skip_instance_ids=skip)
+    session.groups_at_pass_start = session.groups_read
+    session.fresh_pass = not skip
+
+
 def _train(args: Any, rollout_id: int, data_source: Any, session: _Session) -> Any:
-    n = args.n_samples_per_prompt
+    counts = StepCounts()
     if not session.started:
         metadata = data_source.get_metadata() or {}
         skip = [instance_id for finished in metadata.values() for instance_id in finished]
-        session.client.start_rollout(args.rollout_task_type, **_payload(args), skip_instance_ids=skip)
+        _start(args, session, skip)
         session.started = True
         logger.info("started %s with %d finished groups to skip", args.rollout_task_type, len(skip))
-    needed = args.rollout_batch_size - data_source.get_buffer_length()  # both in groups
-    if needed > 0:
-        groups, finished, meta = _fetch(args, session, needed, n)
-        if finished:
-            data_source.update_metadata({str(rollout_id): finished})
-        data_source.add_samples([_samples(group, session) for group in groups])
-        logger.info(
-            "rollout %d: %d groups fetched (%d needed), mean raw reward %.4f",
-            rollout_id,
-            len(groups),
-            needed,
-            meta.get("avg_reward", float("nan")),
-        )
-    return RolloutFnTrainOutput(samples=data_source.get_samples(args.rollout_batch_size))
+    _fetch(args, rollout_id, data_source, session, counts)
+    groups = data_source.get_samples(args.rollout_batch_size)
+    try:
+        shaped = finish_step(args, groups, counts)
+    except RolloutLogProbsMissing:
+        data_source.add_samples(groups)  # kept for the run that fixes its flags
+        raise
+    return RolloutFnTrainOutput(samples=shaped, metrics=counts.metrics())
 
 
-def _fetch(
-    args: Any, session: _Session, needed: int, n: int
-) -> tuple[list[list[TrainingSample]], list[Any], dict[str, Any]]:
-    """At least ``needed`` groups of exactly ``n`` samples, converted; the finished instance
-    ids and the last statistics the buffer reported."""
-    groups: list[list[TrainingSample]] = []
-    finished: list[Any] = []
-    meta: dict[str, Any] = {}
+def _fetch(args: Any, rollout_id: int, data_source: Any, session: _Session, counts: StepCounts) -> None:
+    """Read until the data source holds ``rollout_batch_size`` groups; each group read is put
+    there at once (converted), and the finished instance ids recorded."""
+    n = args.n_samples_per_prompt
+    converter = session.converter(template_kwargs(getattr(args, "apply_chat_template_kwargs", None)))
     patience = getattr(args, "fetch_trajectory_retry_times", -1)
     waited = 0
-    while len(groups) < needed:
+    while (held := data_source.get_buffer_length()) < args.rollout_batch_size:
         batch = session.client.get_rollout_data(task_type=args.rollout_task_type, wait_s=WAIT_S)
-        finished += batch.finished_groups
-        if batch.items:
-            meta = batch.meta_info
+        if batch.finished_groups:
+            recorded = list((data_source.get_metadata() or {}).get(str(rollout_id), []))
+            data_source.update_metadata({str(rollout_id): recorded + batch.finished_groups})
+        groups = []
         for group in batch.groups(group_size=n):
+            session.groups_read += 1
             if len(group) != n:
                 logger.warning("skipped a group of %d samples, expected %d", len(group), n)
                 continue
-            groups.append(session.converter.convert_many(group))
-        if not batch.items:
-            waited += 1
-            if patience not in (None, -1) and waited >= patience:
-                raise TimeoutError(
-                    f"the buffer gave {len(groups)} of {needed} groups in {waited} waits of {WAIT_S:.0f} s"
-                )
-            _check_running(session, args.rollout_task_type, f"{len(groups)} of {needed} groups")
-            logger.info("waiting for the buffer: %d of %d groups", len(groups), needed)
-    return groups, finished, meta
+            built = session.builder.group([convert(converter, item) for item in group], counts)
+            if built is not None:
+                groups.append(built)
+        data_source.add_samples(groups)
+        if batch.items:
+            waited = 0
+            continue
+        waited += 1
+        if patience not in (None, -1) and waited >= patience:
+            raise TimeoutError(
+                f"the buffer gave {held} of {args.rollout_batch_size} groups "
+                f"in {waited} waits of {WAIT_S:.0f} s"
+            )
+        _when_idle(args, session, counts, f"{held} of {args.rollout_batch_size} groups")
 
 
-def _samples(group: list[TrainingSample], session: _Session) -> list[Any]:
-    session.groups_made += 1
-    return [_sample(item, session.groups_made) for item in group]
-
-
-def _sample(item: TrainingSample, group_index: int) -> Any:
-    status = {"truncated": Sample.Status.TRUNCATED, "aborted": Sample.Status.ABORTED}.get(
-        item.status, Sample.Status.COMPLETED
-    )
-    metadata = {
-        **item.metadata,
-        "uid": item.uid,
-        "instance_id": item.instance_id,
-        "raw_reward": item.raw_reward,
-    }
-    return Sample(
-        group_index=group_index,
-        index=item.instance_id if isinstance(item.instance_id, int) else None,
-        prompt=item.uid,
-        tokens=item.tokens,
-        response_length=item.response_length,
-        label=item.metadata.get("label"),
-        reward=item.reward,
-        loss_mask=item.loss_mask,
-        rollout_log_probs=item.rollout_log_probs,
-        status=status,
-        metadata=metadata,
-    )
+def _when_idle(args: Any, session: _Session, counts: StepCounts, progress: str) -> None:
+    """Nothing came: wait on while the job runs or groups are still open; when the pass ended
+    well, start another; when it failed, say why."""
+    task = args.rollout_task_type
+    jobs = [job for job in session.client.jobs() if job.task_type == task]
+    if any(job.status == "running" for job in jobs):
+        logger.info("waiting for the buffer: %s", progress)
+        return
+    if session.client.stats().tasks.get(task, {}).get("pending_groups", 0):
+        return  # open groups finish or time out on their own
+    last = max(jobs, key=lambda job: job.started_at or 0.0, default=None)
+    if last is None or last.status != "succeeded":
+        how = (
+            "no job" if last is None else f"its job {last.id} {last.status}: {last.error or 'no error given'}"
+        )
+        raise RuntimeError(
+            f"the {task} rollout is not running ({how}) and the buffer has nothing ready ({progress})"
+        )
+    if session.fresh_pass and session.groups_read == session.groups_at_pass_start:
+        raise RuntimeError(
+            f"a whole pass of the {task} rollout over {args.prompt_data} gave no group ({progress})"
+        )
+    logger.info("the %s rollout's pass over its data ended (%s): starting another", task, progress)
+    _start(args, session, skip=[])
+    counts.epochs_started += 1
 
 
 def _evaluate(args: Any, rollout_id: int, session: _Session) -> Any:
-    """Run each eval data set through the buffer and return slime's eval output:
-    ``{name: {"rewards": [...], "truncated": [...], "samples": [...]}}``."""
-    specs = list(getattr(args, "eval_prompt_data", None) or [])
-    n = getattr(args, "n_samples_per_eval_prompt", None) or 1
-    max_tokens = getattr(args, "eval_max_response_len", None) or args.rollout_max_response_len
-    temperature = getattr(args, "eval_temperature", None)
-    top_p = getattr(args, "eval_top_p", None)
+    """Run each eval data set through the buffer: slime's ``{name: {"rewards", "truncated",
+    "samples"}}``, with what was left out in the metrics."""
     data: dict[str, dict[str, Any]] = {}
-    for name, path in zip(specs[::2], specs[1::2], strict=True):
-        rollout_name = f"eval-{name}-{rollout_id}"
-        payload = {
-            **_payload(args),
-            "input_file": path,
-            "num_repeat_per_sample": str(n),
-            "num_epoch": "1",
-            "sampling_params": {
-                "max_tokens": max_tokens,
-                "temperature": args.rollout_temperature if temperature is None else temperature,
-                "top_p": args.rollout_top_p if top_p is None else top_p,
-            },
-        }
+    metrics: dict[str, float] = {}
+    for spec in eval_sets(args):
+        rollout_name = f"eval-{spec.name}-{rollout_id}"
+        if getattr(args, "log_passrate", False) and spec.n != getattr(
+            args, "n_samples_per_eval_prompt", spec.n
+        ):
+            logger.warning(
+                "evaluation %s: %d samples per prompt, but slime computes pass@k over groups of "
+                "--n-samples-per-eval-prompt (%s)",
+                spec.name,
+                spec.n,
+                args.n_samples_per_eval_prompt,
+            )
+        payload = _payload(args, input_file=spec.path, n=spec.n, num_epoch=1, sampling=spec.sampling)
         session.client.start_rollout(
             args.rollout_task_type, rollout_name=rollout_name, evaluation=True, restart=True, **payload
         )
-        prompts = sum(1 for line in Path(path).read_text().splitlines() if line.strip())
-        items = _collect(session, rollout_name, prompts * n)
-        samples = [
-            _sample(sample, index) for index, sample in enumerate(session.converter.convert_many(items))
-        ]
-        data[name] = {
-            "rewards": [sample.reward for sample in samples],
-            "truncated": [sample.status == Sample.Status.TRUNCATED for sample in samples],
-            "samples": samples,
-        }
-    return RolloutFnEvalOutput(data=data)
+        groups = _collect(session, rollout_name, _prompts(spec.path) * spec.n, spec.n)
+        converter = session.converter(spec.chat_template_kwargs)
+        converted: list[list[Converted]] = [[convert(converter, item) for item in group] for group in groups]
+        result, counts = eval_output(args, spec, converted)
+        metrics |= counts
+        if result is not None:
+            data[spec.name] = result
+    return RolloutFnEvalOutput(data=data, metrics=metrics)
 
 
 def _collect(
-    session: _Session, rollout_name: str, expected: int, timeout_s: float = 3600.0
-) -> list[dict[str, Any]]:
-    """Every item of an evaluation run: ``expected`` of them, or what there is once its job
-    has ended and the buffer has nothing more."""
-    items: list[dict[str, Any]] = []
+    session: _Session, rollout_name: str, expected: int, n: int, timeout_s: float = 3600.0
+) -> list[list[dict[str, Any]]]:
+    """The groups of an evaluation run: ``expected`` items, or what there is once its job has
+    ended and the buffer has nothing more."""
+    groups: list[list[dict[str, Any]]] = []
+    items = 0
     deadline = time.monotonic() + timeout_s
-    while len(items) < expected and time.monotonic() < deadline:
+    while items < expected and time.monotonic() < deadline:
         batch = session.client.get_rollout_data(task_type=rollout_name, wait_s=WAIT_S)
-        items += batch.items
+        groups += batch.groups(group_size=n)
+        items += len(batch.items)
         if not batch.items and not _running(session, rollout_name):
             break
-    if len(items) < expected:
-        logger.warning("evaluation %s: %d of %d samples came back", rollout_name, len(items), expected)
-    return items
+    if items < expected:
+        logger.warning("evaluation %s: %d of %d samples came back", rollout_name, items, expected)
+    return groups
 
 
 def _running(session: _Session, task_type: str) -> bool:
     return any(job.status == "running" for job in session.client.jobs() if job.task_type == task_type)
-
-
-def _check_running(session: _Session, task_type: str, progress: str) -> None:
-    """Waiting on a task whose job has ended would wait forever: say so instead."""
-    if not _running(session, task_type):
-        raise RuntimeError(
-            f"the {task_type} rollout is not running and the buffer has nothing ready ({progress}); "
-            "see GET /jobs on the buffer for how it ended"
-        )

@@ -115,6 +115,9 @@ class TaskBuffer:
         self.delivered_groups = 0
         self.discarded: Counter[str] = Counter()
         self.set_aside_total = 0
+        #: While a generator job runs for this task: the groups of each instance finished since
+        #: it started, whatever their outcome, for a resumed job to skip (see ``RolloutBuffer``).
+        self.job_finished: Counter[InstanceId] | None = None
         self.rewards = RewardStats()  # every raw reward written, for metrics and the dashboard
         # Since the last successful read: what meta_info reports.
         self.window = RewardStats()
@@ -206,6 +209,8 @@ class TaskBuffer:
 
     def _settle(self, group: OpenGroup, outcome: Outcome, seq: int, at: float) -> None:
         """Put a finished group where its outcome says: ready, counted as discarded, or aside."""
+        if self.job_finished is not None:
+            self.job_finished[group.instance_id] += 1
         if isinstance(outcome, Ready):
             self.ready.append(ReadyGroup(seq, self.task_type, group.instance_id, outcome.items))
             self.ready_items += len(outcome.items)

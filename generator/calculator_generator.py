@@ -10,20 +10,11 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from buffer.simulator.arithmetic import format_number, solve
-from buffer.toolkit import MathReward, Tool, run_rollouts, run_tools
+from buffer.toolkit import MathReward, Tool, calculate, run_rollouts, run_tools
 
 TASK_TYPE = "calculator"
 
 DATA = Path(__file__).parent / "data" / "calculator.jsonl"
-
-
-def calculate(expression: str) -> str:
-    """Evaluate integer arithmetic (+ - * / and parentheses) exactly."""
-    solution = solve(expression)
-    if solution is None:
-        raise ValueError(f"not an arithmetic expression: {expression!r}")
-    return format_number(solution.value)
 
 
 CALCULATOR = Tool(

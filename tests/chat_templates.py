@@ -2,14 +2,18 @@
 trajectories to training samples.
 
 The tokenizer is a small byte-level BPE trained on a few hundred sentences, with the marker
-tokens each template writes added; the templates are the public ones of Qwen2.5, Qwen3,
-Llama-3.1 and DeepSeek-R1-Distill-Qwen, as their tokenizer_config.json files give them.
+tokens each template writes added. The constants below are the public templates of Qwen2.5,
+Qwen3, Llama-3.1 and DeepSeek-R1-Distill-Qwen, as their tokenizer_config.json files give them;
+`TEMPLATE_SPECS` are the twenty of the matrix, kept as files in tests/templates/ (where each
+comes from: docs/template-matrix.md).
 """
 
 from __future__ import annotations
 
 import functools
 import random
+from dataclasses import dataclass
+from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -361,3 +365,286 @@ def make_tokenizer(
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos)
     tokenizer.chat_template = template
     return tokenizer
+
+
+# --- the template matrix -----------------------------------------------------------------------------------
+#
+# tests/templates/*.jinja are public chat templates, kept as data. Each spec says which tokens the model's
+# tokenizer adds (so the test tokenizer writes each marker as one token) and, for the matrix's oracle, what
+# the template writes right before a generated reply (its headers, longest first, including the empty
+# reasoning block it writes for a reply without reasoning) and the tokens that close a reply. These are read
+# off the templates by hand, not by the code under test.
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+@dataclass(frozen=True)
+class TemplateSpec:
+    name: str
+    file: str
+    special: tuple[str, ...]
+    eos: str
+    bos: str | None = None
+    plain: tuple[str, ...] = ()
+    headers: tuple[str, ...] = ()
+    ends: tuple[str, ...] = ()
+    closes_every_reply: bool = True  # False: the template writes nothing after a reply (GLM-4.5)
+    source: str = ""
+
+    def template(self) -> str:
+        return (TEMPLATES / self.file).read_text(encoding="utf-8")
+
+    def tokenizer(self, bpe_json: str) -> PreTrainedTokenizerFast:
+        return make_tokenizer(
+            bpe_json, self.template(), list(self.special), plain=list(self.plain), bos=self.bos, eos=self.eos
+        )
+
+
+_CHATML = ("<|im_start|>assistant\n",)
+_QWEN3_HEADERS = (
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+    "<|im_start|>assistant\n<think>\n",
+    *_CHATML,
+)
+_LLAMA3 = ("<|start_header_id|>assistant<|end_header_id|>\n\n",)
+_LLAMA3_ENDS = ("<|eot_id|>", "<|eom_id|>")
+_DEEPSEEK_TOOLS = (
+    *("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"),
+    *("<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"),
+    *("<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"),
+)
+_DEEPSEEK = (
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    *_DEEPSEEK_TOOLS,
+)
+_DEEPSEEK_ENDS = ("<｜end▁of▁sentence｜>",)
+_MISTRAL = (
+    *("<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"),
+    *("[TOOL_RESULTS]", "[/TOOL_RESULTS]"),
+)
+_MISTRAL_TEKKEN = (*_MISTRAL, "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[ARGS]", "[CALL_ID]", "[TOOL_CONTENT]")
+_MISTRAL_HEADERS = ("[/INST]", "[/TOOL_RESULTS]")
+_GEMMA = ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>")
+
+TEMPLATE_SPECS = [
+    TemplateSpec(
+        "qwen2.5",
+        "qwen2.5.jinja",
+        tuple(QWEN_SPECIAL),
+        "<|im_end|>",
+        plain=tuple(QWEN_PLAIN),
+        headers=_CHATML,
+        ends=("<|im_end|>",),
+        source="Qwen/Qwen2.5-7B-Instruct",
+    ),
+    TemplateSpec(
+        "qwen3-thinking",
+        "qwen3-thinking.jinja",
+        tuple(QWEN_SPECIAL),
+        "<|im_end|>",
+        plain=tuple(QWEN_PLAIN),
+        headers=_QWEN3_HEADERS,
+        ends=("<|im_end|>",),
+        source="Qwen/Qwen3-*-Thinking-2507",
+    ),
+    TemplateSpec(
+        "qwen3-hybrid",
+        "qwen3-hybrid.jinja",
+        tuple(QWEN_SPECIAL),
+        "<|im_end|>",
+        plain=tuple(QWEN_PLAIN),
+        headers=(_QWEN3_HEADERS[0], *_CHATML),
+        ends=("<|im_end|>",),
+        source="Qwen/Qwen3-0.6B",
+    ),
+    TemplateSpec(
+        "llama-3.0",
+        "llama-3.0.jinja",
+        tuple(LLAMA_SPECIAL),
+        "<|eot_id|>",
+        bos="<|begin_of_text|>",
+        headers=_LLAMA3,
+        ends=_LLAMA3_ENDS,
+        source="meta-llama/Meta-Llama-3-8B-Instruct",
+    ),
+    TemplateSpec(
+        "llama-3.1",
+        "llama-3.1.jinja",
+        tuple(LLAMA_SPECIAL),
+        "<|eot_id|>",
+        bos="<|begin_of_text|>",
+        headers=_LLAMA3,
+        ends=_LLAMA3_ENDS,
+        source="meta-llama/Llama-3.1-8B-Instruct",
+    ),
+    TemplateSpec(
+        "llama-3.2",
+        "llama-3.2.jinja",
+        tuple(LLAMA_SPECIAL),
+        "<|eot_id|>",
+        bos="<|begin_of_text|>",
+        headers=_LLAMA3,
+        ends=_LLAMA3_ENDS,
+        source="meta-llama/Llama-3.2-3B-Instruct",
+    ),
+    TemplateSpec(
+        "llama-4",
+        "llama-4.jinja",
+        (
+            *("<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>"),
+            *("<|eom|>", "<|python_start|>", "<|python_end|>", "<|image|>"),
+        ),
+        "<|eot|>",
+        bos="<|begin_of_text|>",
+        headers=("<|header_start|>assistant<|header_end|>\n\n",),
+        ends=("<|eot|>", "<|eom|>"),
+        source="meta-llama/Llama-4-Scout-17B-16E-Instruct",
+    ),
+    TemplateSpec(
+        "deepseek-v3",
+        "deepseek-v3.jinja",
+        _DEEPSEEK,
+        "<｜end▁of▁sentence｜>",
+        bos="<｜begin▁of▁sentence｜>",
+        plain=("<think>", "</think>"),
+        headers=("<｜Assistant｜>", "<｜tool▁outputs▁end｜>"),
+        ends=_DEEPSEEK_ENDS,
+        source="deepseek-ai/DeepSeek-V3",
+    ),
+    TemplateSpec(
+        "deepseek-r1",
+        "deepseek-r1.jinja",
+        _DEEPSEEK,
+        "<｜end▁of▁sentence｜>",
+        bos="<｜begin▁of▁sentence｜>",
+        plain=("<think>", "</think>"),
+        headers=("<｜Assistant｜><think>\n", "<｜Assistant｜>", "<｜tool▁outputs▁end｜>"),
+        ends=_DEEPSEEK_ENDS,
+        source="deepseek-ai/DeepSeek-R1",
+    ),
+    TemplateSpec(
+        "deepseek-v3.1",
+        "deepseek-v3.1.jinja",
+        _DEEPSEEK,
+        "<｜end▁of▁sentence｜>",
+        bos="<｜begin▁of▁sentence｜>",
+        plain=("<think>", "</think>"),
+        headers=("<｜Assistant｜></think>", "<｜Assistant｜>", "<｜tool▁output▁end｜>"),
+        ends=_DEEPSEEK_ENDS,
+        source="deepseek-ai/DeepSeek-V3.1",
+    ),
+    TemplateSpec(
+        "deepseek-r1-distill",
+        "deepseek-r1-distill.jinja",
+        _DEEPSEEK,
+        "<｜end▁of▁sentence｜>",
+        bos="<｜begin▁of▁sentence｜>",
+        plain=("<think>", "</think>"),
+        headers=("<｜Assistant｜><think>\n", "<｜Assistant｜>", "<｜tool▁outputs▁end｜>"),
+        ends=_DEEPSEEK_ENDS,
+        source="deepseek-ai/DeepSeek-R1-Distill-Qwen-32B",
+    ),
+    TemplateSpec(
+        "glm-4.5",
+        "glm-4.5.jinja",
+        ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<|endoftext|>"),
+        "<|endoftext|>",
+        plain=(
+            *("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>"),
+            *("<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>"),
+        ),
+        headers=("<|assistant|>\n<think></think>\n", "<|assistant|>"),
+        ends=("</tool_call>",),
+        closes_every_reply=False,
+        source="zai-org/GLM-4.5 (llama.cpp's copy)",
+    ),
+    TemplateSpec(
+        "mistral-v0.3",
+        "mistral-v0.3.jinja",
+        _MISTRAL,
+        "</s>",
+        bos="<s>",
+        headers=_MISTRAL_HEADERS,
+        ends=("</s>",),
+        source="mistralai/Mistral-7B-Instruct-v0.3",
+    ),
+    TemplateSpec(
+        "mistral-nemo",
+        "mistral-nemo.jinja",
+        _MISTRAL,
+        "</s>",
+        bos="<s>",
+        headers=_MISTRAL_HEADERS,
+        ends=("</s>",),
+        source="mistralai/Mistral-Nemo-Instruct-2407",
+    ),
+    TemplateSpec(
+        "mistral-small-3",
+        "mistral-small-3.2.jinja",
+        _MISTRAL_TEKKEN,
+        "</s>",
+        bos="<s>",
+        headers=_MISTRAL_HEADERS,
+        ends=("</s>",),
+        source="mistralai/Mistral-Small-3.2-24B-Instruct-2506",
+    ),
+    TemplateSpec(
+        "gemma-2",
+        "gemma-2.jinja",
+        _GEMMA,
+        "<eos>",
+        bos="<bos>",
+        headers=("<start_of_turn>model\n",),
+        ends=("<end_of_turn>",),
+        source="google/gemma-2-2b-it",
+    ),
+    TemplateSpec(
+        "gemma-3",
+        "gemma-3.jinja",
+        (*_GEMMA, "<start_of_image>"),
+        "<eos>",
+        bos="<bos>",
+        headers=("<start_of_turn>model\n",),
+        ends=("<end_of_turn>",),
+        source="google/gemma-3-*-it",
+    ),
+    TemplateSpec(
+        "phi-3",
+        "phi-3.5.jinja",
+        ("<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"),
+        "<|endoftext|>",
+        bos="<s>",
+        headers=("<|assistant|>\n",),
+        ends=("<|end|>",),
+        source="microsoft/Phi-3.5-mini-instruct",
+    ),
+    TemplateSpec(
+        "kimi-k2",
+        "kimi-k2.jinja",
+        (
+            *("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"),
+            *("<|media_start|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"),
+            *("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>"),
+            *("<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+        ),
+        "<|im_end|>",
+        headers=("<|im_assistant|>assistant<|im_middle|>",),
+        ends=("<|im_end|>",),
+        source="moonshotai/Kimi-K2-Instruct",
+    ),
+    TemplateSpec(
+        "gpt-oss",
+        "gpt-oss.jinja",
+        (
+            *("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>"),
+            *("<|return|>", "<|call|>", "<|constrain|>"),
+        ),
+        "<|return|>",
+        headers=("<|start|>assistant",),
+        ends=("<|return|>", "<|end|>", "<|call|>"),
+        source="openai/gpt-oss-120b",
+    ),
+]

@@ -435,3 +435,31 @@ def test_groups_split_on_instance_changes_and_on_group_size() -> None:
     assert sizes(RolloutBatch(items=items(*"aaab"), meta_info={"returned_groups": 3})) == [3, 1]
     assert RolloutBatch().groups() == []
     assert not RolloutBatch().success
+
+
+@respx.mock
+async def test_by_default_it_rides_out_a_restart_of_the_buffer(kind: str) -> None:
+    # Down for 8 s, as a restart on a data folder can be: longer than five attempts wait.
+    back_at = time.monotonic() + 8.0
+
+    def restarting(request: httpx.Request) -> httpx.Response:
+        if time.monotonic() < back_at:
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(200, json={"success": True, "message": "ok", "data": {"jobs": []}})
+
+    respx.get(f"{MOCK_URL}/jobs").mock(side_effect=restarting)
+    async with connect(kind) as buffer:
+        assert await buffer.jobs() == []
+    assert time.monotonic() >= back_at
+
+
+@respx.mock
+async def test_the_retry_budget_is_a_time_and_can_be_set(kind: str) -> None:
+    route = respx.get(f"{MOCK_URL}/jobs").mock(side_effect=httpx.ConnectError("connection refused"))
+    started_at = time.monotonic()
+    async with connect(kind, max_retry_s=1.0, **FAST) as buffer:
+        with pytest.raises(BufferUnavailableError) as raised:
+            await buffer.jobs()
+    assert time.monotonic() - started_at < 4.0
+    assert route.call_count > 5  # not a count of attempts: as many as fit in the time
+    assert f"failed after {route.call_count} attempts" in str(raised.value)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from buffer.toolkit.dataset import DatasetError, Plan, derive_seed, prompt_messages, read_rows
+from buffer.toolkit.dataset import DatasetError, Plan, ResumePoint, derive_seed, prompt_messages, read_rows
 
 
 def write_jsonl(path: Path, rows: list[dict[str, object]]) -> Path:
@@ -85,3 +86,48 @@ def test_each_skipped_id_skips_one_group_matching_ints_and_strings() -> None:
     assert set(groups.values()) == {2}  # whole groups only
     assert sorted(groups, key=str) == sorted([(2, 5), (1, "q"), (2, "q")], key=str)
     assert plan.total() == 6
+
+
+def test_a_resumed_plan_skips_finished_groups_and_fills_only_the_open_ones() -> None:
+    # q0 finished in both epochs, q1 in the first and holds repeats 0 and 2 of its second,
+    # q2 holds one trajectory that says no repeat; the trainer also skipped q3's first group.
+    resume = ResumePoint.from_json(
+        {"finished_groups": [["q0", 2], ["q1", 1]], "open_groups": [["q1", [0, 2]], ["q2", [None]]]}
+    )
+    plan = Plan(
+        rows(4), num_repeat_per_sample=4, num_epoch=2, shuffle=False, skip_instance_ids=["q3"], resume=resume
+    )
+    made = Counter((s.epoch, s.instance_id) for s in plan)
+    assert made == {(1, "q1"): 2, (0, "q2"): 3, (1, "q2"): 4, (1, "q3"): 4}
+    assert sorted(s.repeat for s in plan if s.instance_id == "q1") == [1, 3]
+    assert sorted(s.repeat for s in plan if (s.epoch, s.instance_id) == (0, "q2")) == [1, 2, 3]
+    assert plan.total() == sum(made.values()) == 13
+
+
+def test_a_resumed_plan_matches_ids_by_their_text_as_the_skips_do() -> None:
+    data = [{"instance_id": 7, "prompt": "a"}, {"instance_id": 8, "prompt": "b"}]
+    resume = ResumePoint.from_json({"finished_groups": [["7", 1]], "open_groups": [[8, [1]]]})
+    plan = Plan(data, num_repeat_per_sample=2, shuffle=False, resume=resume)
+    assert [(s.instance_id, s.repeat) for s in plan] == [(8, 0)]
+
+
+def test_a_device_or_a_pipe_is_refused_not_read(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="not a regular file"):
+        read_rows("/dev/zero")
+    fifo = tmp_path / "rows.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(DatasetError, match="not a regular file"):
+        read_rows(fifo)  # without a writer, opening it would block
+    with pytest.raises(DatasetError, match="not a regular file"):
+        read_rows(tmp_path)
+    with pytest.raises(DatasetError, match="cannot be read"):
+        read_rows(tmp_path / "missing.jsonl")
+
+
+def test_a_line_or_a_file_past_its_limit_is_an_error_that_says_so(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, {"prompt": "b" * 100}])
+    assert len(read_rows(path, max_line_bytes=200)) == 2
+    with pytest.raises(DatasetError, match=r"d\.jsonl:2: a line longer than 50 bytes"):
+        read_rows(path, max_line_bytes=50)
+    with pytest.raises(DatasetError, match="larger than 64"):
+        read_rows(path, max_bytes=64)

@@ -49,6 +49,13 @@ def test_filter_item_keeps_rewards_in_the_unit_interval(reward: object, kept: bo
     assert default_func.filter_item(trajectory(reward=reward), "math") is kept
 
 
+def test_filter_item_drops_a_trajectory_left_aborted_and_keeps_one_continued_to_its_end() -> None:
+    assert not default_func.filter_item(trajectory(extra_info={"finish_reason": "abort"}), "math")
+    assert default_func.filter_item(
+        trajectory(extra_info={"finish_reason": "stop", "continuations": 2}), "math"
+    )
+
+
 def test_filter_item_needs_a_message_list() -> None:
     assert not default_func.filter_item(trajectory(messages="hello"), "math")
 

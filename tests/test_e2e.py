@@ -186,6 +186,8 @@ def start_service(tmp_path: Path, client: httpx.Client) -> Iterator[Callable[[di
                 str(tmp_path),
                 "--log-level",
                 "warning",
+                "--input-roots",
+                "/",  # slime's payload names a file on the trainer's machine
             ],
             cwd=REPO_ROOT,
             env=_clean_env(),

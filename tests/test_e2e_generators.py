@@ -65,7 +65,7 @@ def test_the_math_generator_runs_through_aborts_and_errors_and_its_groups_reach_
         "-m", "buffer.simulator", "--latency-mean-s", "0.02", "--accuracy", "0.5", "--abort-rate", "0.3",
         "--error-rate", "0.2", "--seed", "1", "--log-level", "warning", name="simulator",
     )  # fmt: skip
-    buffer_url = process("buffer.py", "--log-level", "warning", name="buffer")
+    buffer_url = process("buffer.py", "--log-level", "warning", "--input-roots", str(tmp_path), name="buffer")
     with httpx.Client(base_url=buffer_url, timeout=30, trust_env=False) as client:
         started_job = client.post(
             "/start_rollout",
@@ -137,7 +137,16 @@ def test_the_example_script_runs_and_stops_everything(tmp_path: Path) -> None:
 
 
 def test_a_long_poll_its_client_abandoned_takes_nothing(process: Process, tmp_path: Path) -> None:
-    buffer_url = process("buffer.py", "--group-size", "4", "--log-level", "warning", name="buffer")
+    buffer_url = process(
+        "buffer.py",
+        "--group-size",
+        "4",
+        "--log-level",
+        "warning",
+        "--input-roots",
+        str(tmp_path),
+        name="buffer",
+    )
     item = {"instance_id": "q", "messages": [{"role": "user", "content": "q"}], "extra_info": {}}
     with httpx.Client(base_url=buffer_url, timeout=10, trust_env=False) as client:
         client.post("/buffer/write", json={**item, "reward": 0.0})
@@ -148,3 +157,52 @@ def test_a_long_poll_its_client_abandoned_takes_nothing(process: Process, tmp_pa
         time.sleep(1.5)  # long enough for the abandoned read to notice
         body = client.post("/get_rollout_data", json={}).json()
     assert len(body["data"]["data"]) == 4  # the group went to the next read, not to the closed one
+
+
+def test_a_wrong_model_name_fails_the_job_with_the_engines_message(process: Process, tmp_path: Path) -> None:
+    """vLLM answers a wrong model name with a 404: the job fails at once, saying so, and writes nothing."""
+    import http.server
+    import threading
+
+    said = "The model `no-such-model` does not exist."
+
+    class Vllm(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            body = json.dumps(
+                {"error": {"message": said, "type": "NotFoundError", "param": "model", "code": 404}}
+            )
+            self.send_response(404)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return None
+
+    engine = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Vllm)
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    try:
+        buffer_url = process("buffer.py", "--log-level", "warning", name="buffer")
+        with httpx.Client(base_url=buffer_url, timeout=30, trust_env=False) as client:
+            started = client.post(
+                "/start_rollout",
+                json={
+                    "task_type": "math",
+                    "input_file": str(math_rows(tmp_path / "math.jsonl", 200)),
+                    "remote_engine_url": f"http://127.0.0.1:{engine.server_address[1]}",
+                    "model": "no-such-model",
+                    "num_repeat_per_sample": "8",
+                    "num_process": "64",
+                },
+            ).json()
+            job = wait_job(client, started["job_id"], timeout_s=30)
+            written = client.get("/buffer/stats").json()["data"]["meta_info"]["tasks"].get("math", {})
+    finally:
+        engine.shutdown()
+        engine.server_close()
+    assert job["status"] == "failed"
+    assert said in job["error"]
+    assert "HTTP 404" in job["error"]
+    assert written.get("total_written", 0) == 0

@@ -12,6 +12,7 @@ import pytest
 import respx
 
 from buffer.toolkit.llm import ChatClient, ContinuePolicy, LLMError, LLMStats, RetryPolicy, engine_base_url
+from buffer.toolkit.types import TokenCapture
 
 pytestmark = pytest.mark.anyio
 
@@ -25,11 +26,14 @@ def answer(
     finish: str = "stop",
     tokens: int = 3,
     tool_calls: list[dict[str, Any]] | None = None,
+    reasoning_content: str | None = None,
     **choice: Any,
 ) -> httpx.Response:
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         message["tool_calls"] = tool_calls
+    if reasoning_content is not None:
+        message["reasoning_content"] = reasoning_content
     body = {
         "id": "x",
         "object": "chat.completion",
@@ -228,24 +232,213 @@ async def test_continuations_stop_at_their_cap() -> None:
 
 
 @respx.mock
-async def test_tool_calls_token_ids_and_logprobs_are_kept() -> None:
+async def test_tool_calls_and_reasoning_are_kept_and_the_message_is_marked_generated() -> None:
     call = {
         "id": "c1",
         "type": "function",
         "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'},
     }
-    logprobs = {"content": [{"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -0.25}]}
     respx.post(URL).mock(
-        return_value=answer(None, "tool_calls", tool_calls=[call], token_ids=[5, 6], logprobs=logprobs)
+        return_value=answer(None, "tool_calls", tool_calls=[call], reasoning_content="add them")
     )
     async with client() as llm:
         completion = await llm.complete(
             PROMPT, tools=[{"type": "function", "function": {"name": "calculator"}}]
         )
-    assert completion.tool_calls == [call]
-    assert completion.message() == {"role": "assistant", "content": None, "tool_calls": [call]}
-    assert completion.token_ids == [5, 6]
-    assert completion.logprobs == [-0.5, -0.25]
+    assert completion.message() == {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "add them",
+        "tool_calls": [call],
+        "generated": True,
+    }
+    assert completion.tokens is None  # the server sent no ids: no token record, text only
+
+
+def vllm_answer(
+    content: str, finish: str, prompt: list[int], output: list[int], **message: Any
+) -> httpx.Response:
+    """vLLM's shape: prompt_token_ids at the top level, token_ids in the choice."""
+    logprobs = {
+        "content": [{"token": f"t{i}", "logprob": -0.1 * (i + 1), "top_logprobs": []} for i in output]
+    }
+    body = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "model": "policy",
+        "prompt_token_ids": prompt,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content, **message},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "token_ids": output,
+            }
+        ],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(output), "total_tokens": 0},
+    }
+    return httpx.Response(200, json=body)
+
+
+def sglang_answer(
+    content: str, finish: str, prompt: list[int], output: list[int], *, ids: bool = True
+) -> httpx.Response:
+    """SGLang's shape: prompt_token_ids and token_ids in the choice, meta_info with
+    output_token_logprobs as [logprob, id, text], metadata.weight_version at the top."""
+    entries = [[-0.5 * (n + 1), token, None] for n, token in enumerate(output)]
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": content, "reasoning_content": None, "tool_calls": None},
+        "logprobs": None,
+        "finish_reason": finish,
+        "matched_stop": None,
+        "prompt_token_ids": prompt,
+        "meta_info": {
+            "id": "r",
+            "finish_reason": {"type": finish},
+            "weight_version": "7",
+            "output_token_logprobs": entries,
+        },
+    }
+    if ids:
+        choice["token_ids"] = output
+    body = {
+        "id": "r",
+        "object": "chat.completion",
+        "model": "policy",
+        "choices": [choice],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(output), "total_tokens": 0},
+        "metadata": {"weight_version": "7"},
+    }
+    return httpx.Response(200, json=body)
+
+
+@respx.mock
+async def test_vllm_token_ids_and_logprobs_are_asked_for_and_captured() -> None:
+    route = respx.post(URL).mock(
+        return_value=vllm_answer(
+            "2", "stop", [1, 2, 3], [7, 8], reasoning="one and one", reasoning_content=None
+        )
+    )
+    async with client(engine="vllm") as llm:
+        completion = await llm.complete(PROMPT, max_tokens=16, temperature=0.5, seed=3)
+    body = sent(route)
+    assert (body["logprobs"], body["return_token_ids"]) == (True, True)
+    assert "return_prompt_token_ids" not in body  # SGLang's spelling is not sent to vLLM
+    assert completion.tokens == TokenCapture([1, 2, 3], [7, 8], [-0.1 * 8, -0.1 * 9], None)
+    assert completion.reasoning_content == "one and one"  # vLLM >= 0.11 says "reasoning"
+    assert completion.sampling == {"max_tokens": 16, "temperature": 0.5, "seed": 3}
+
+
+@respx.mock
+@pytest.mark.parametrize("ids", [True, False], ids=["token_ids", "meta_info only"])
+async def test_sglang_token_ids_logprobs_and_weight_version_are_captured(ids: bool) -> None:
+    route = respx.post(URL).mock(return_value=sglang_answer("2", "stop", [4, 5], [9, 10, 11], ids=ids))
+    async with client(engine="sglang") as llm:
+        completion = await llm.complete(PROMPT)
+    body = sent(route)
+    assert body["logprobs"] is True
+    assert body["return_prompt_token_ids"] is body["return_token_ids"] is body["return_meta_info"] is True
+    assert completion.tokens == TokenCapture([4, 5], [9, 10, 11], [-0.5, -1.0, -1.5], "7")
+
+
+@respx.mock
+async def test_capture_off_asks_for_nothing() -> None:
+    route = respx.post(URL).mock(return_value=vllm_answer("2", "stop", [1], [2]))
+    async with client(capture=False) as llm:
+        completion = await llm.complete(PROMPT)
+    assert not {"logprobs", "return_token_ids", "return_prompt_token_ids"} & set(sent(route))
+    assert completion.tokens is None
+
+
+@respx.mock
+async def test_ids_and_logprobs_that_disagree_in_length_are_an_error_not_a_record() -> None:
+    bad = vllm_answer("2", "stop", [1], [2, 3])
+    body = json.loads(bad.content)
+    body["choices"][0]["logprobs"]["content"].pop()
+    respx.post(URL).mock(return_value=httpx.Response(200, json=body))
+    async with client() as llm:
+        with pytest.raises(LLMError, match="1 logprobs for 2 output ids"):
+            await llm.complete(PROMPT)
+
+
+@respx.mock
+async def test_an_aborted_answer_keeps_one_record_the_first_prompt_and_all_output_ids() -> None:
+    route = respx.post(URL).mock(
+        side_effect=[
+            vllm_answer("Let me", "abort", [1, 2], [10, 11]),
+            vllm_answer(" think.", "stop", [1, 2, 10, 11], [12]),
+        ]
+    )
+    async with client(engine="vllm") as llm:
+        completion = await llm.complete(PROMPT, max_tokens=10)
+    assert completion.text == "Let me think."
+    assert completion.tokens is not None
+    assert (completion.tokens.prompt_ids, completion.tokens.output_ids) == ([1, 2], [10, 11, 12])
+    assert completion.tokens.output_logprobs is not None
+    assert len(completion.tokens.output_logprobs) == 3
+    follow_up = sent(route, 1)
+    assert (follow_up["continue_final_message"], follow_up["add_generation_prompt"]) == (True, False)
+    assert follow_up["max_tokens"] == 8
+
+
+@respx.mock
+async def test_an_abort_with_new_tokens_is_continued_at_once() -> None:
+    respx.post(URL).mock(side_effect=[answer("a", "abort", tokens=1)] * 5 + [answer("b")])
+    started = time.monotonic()
+    async with client(continuation=ContinuePolicy(delay_s=1.0)) as llm:
+        completion = await llm.complete(PROMPT)
+    assert completion.continuations == 5
+    assert time.monotonic() - started < 0.5  # no fixed pause per abort
+
+
+@respx.mock
+async def test_only_an_abort_that_brought_nothing_waits_and_the_wait_doubles() -> None:
+    respx.post(URL).mock(side_effect=[answer("", "abort", tokens=0)] * 2 + [answer("b")])
+    started = time.monotonic()
+    async with client(continuation=ContinuePolicy(delay_s=0.1)) as llm:
+        completion = await llm.complete(PROMPT)
+    assert completion.text == "b"
+    assert 0.3 <= time.monotonic() - started < 1.0  # 0.1 s, then 0.2 s
+    assert ContinuePolicy(delay_s=1.0, max_delay_s=3.0).backoff_s(5) == 3.0
+
+
+@respx.mock
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (
+            {
+                "error": {
+                    "message": "The model `gpt` does not exist.",
+                    "type": "NotFoundError",
+                    "param": "model",
+                    "code": 404,
+                }
+            },
+            "The model `gpt` does not exist.",
+        ),
+        (
+            {
+                "object": "error",
+                "message": "The model `gpt` does not exist.",
+                "type": "NotFoundError",
+                "code": 404,
+            },
+            "The model `gpt` does not exist.",
+        ),
+    ],
+    ids=["vllm", "flat"],
+)
+async def test_a_refusal_carries_its_status_and_the_engine_message(body: dict[str, Any], said: str) -> None:
+    respx.post(URL).mock(return_value=httpx.Response(404, json=body))
+    async with client(model="gpt") as llm:
+        with pytest.raises(LLMError) as caught:
+            await llm.complete(PROMPT)
+    assert (caught.value.status, caught.value.engine_message) == (404, said)
+    assert said in str(caught.value)
 
 
 @respx.mock

@@ -88,7 +88,7 @@ def test_llm_metrics_come_from_the_progress_of_the_tasks_jobs(
     data.write_text(
         '{"prompt": "What is 1 + 1?", "label": "2"}\n{"prompt": "What is 2 + 2?", "label": "4"}\n'
     )
-    client = make_client()
+    client = make_client(input_roots=[tmp_path])
     payload = {"task_type": "local", "input_file": str(data), "remote_engine_url": simulator}
     job = client.post("/start_rollout", json={**payload, "num_repeat_per_sample": "2"}).json()
     waiting = client.post("/start_rollout", json={"task_type": "waiting"}).json()

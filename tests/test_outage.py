@@ -102,7 +102,7 @@ def test_the_math_generator_resumes_after_a_ten_second_outage_and_loses_nothing(
         "-m", "buffer.simulator", "--latency-mean-s", "0.1", "--seed", "0", "--log-level", "warning",
         name="simulator",
     )  # fmt: skip
-    buffer_url = process("buffer.py", "--log-level", "warning", name="buffer")
+    buffer_url = process("buffer.py", "--log-level", "warning", "--input-roots", str(tmp_path), name="buffer")
     with httpx.Client(base_url=buffer_url, timeout=10, trust_env=False) as client:
         job_id = client.post(
             "/start_rollout",

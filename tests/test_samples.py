@@ -26,6 +26,7 @@ from buffer.samples import (
     sample_status,
     to_training_sample,
 )
+from buffer.samples.template import ReasoningSlot
 from tests.chat_templates import (
     DEEPSEEK_R1_DISTILL_TEMPLATE,
     DEEPSEEK_SPECIAL,
@@ -147,11 +148,11 @@ def multi_turn(first: str, second: str, third: str) -> list[dict[str, Any]]:
     return [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "What is 2 + 3?"},
-        {"role": "assistant", "content": first},
+        {"role": "assistant", "content": first, "generated": True},
         {"role": "user", "content": "And 5 times 4?"},
-        {"role": "assistant", "content": second},
+        {"role": "assistant", "content": second, "generated": True},
         {"role": "user", "content": "Thanks! Now 20 minus 7?"},
-        {"role": "assistant", "content": third},
+        {"role": "assistant", "content": third, "generated": True},
     ]
 
 
@@ -179,40 +180,40 @@ ARGUMENTS = '{"a": 17, "b": 25}'
 
 
 @pytest.mark.parametrize(
-    ("name", "generation_prompt", "headers", "end_of_turn"),
+    ("name", "generation_prompt", "history_header", "end_of_turn", "reasoning"),
     [
-        ("qwen25", "<|im_start|>assistant\n", ("<|im_start|>assistant\n",), "<|im_end|>"),
+        ("qwen25", "<|im_start|>assistant\n", "<|im_start|>assistant\n", "<|im_end|>", None),
         (
             "qwen3",
             "<|im_start|>assistant\n<think>\n",
-            ("<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n"),
+            "<|im_start|>assistant\n",
             "<|im_end|>",
+            ReasoningSlot(opening="", closing="\n</think>\n\n"),
         ),
         (
             "llama31",
             "<|start_header_id|>assistant<|end_header_id|>\n\n",
-            ("<|start_header_id|>assistant<|end_header_id|>\n\n",),
+            "<|start_header_id|>assistant<|end_header_id|>\n\n",
             "<|eot_id|>",
+            None,
         ),
-        (
-            "deepseek",
-            "<｜Assistant｜><think>\n",
-            ("<｜Assistant｜><think>\n", "<｜Assistant｜>"),
-            "<｜end▁of▁sentence｜>",
-        ),
+        ("deepseek", "<｜Assistant｜><think>\n", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", None),
     ],
 )
 def test_the_analysis_reads_the_turn_delimiters_off_each_template(
     tokenizers: dict[str, PreTrainedTokenizerFast],
     name: str,
     generation_prompt: str,
-    headers: tuple[str, ...],
+    history_header: str,
     end_of_turn: str,
+    reasoning: ReasoningSlot | None,
 ) -> None:
     analysis = analyse_chat_template(tokenizers[name])
     assert analysis.generation_prompt == generation_prompt
-    assert analysis.headers == headers
-    assert analysis.end_of_turn == end_of_turn
+    assert analysis.header_prefixes[0] == generation_prompt
+    assert history_header in analysis.header_prefixes
+    assert analysis.end_of_turn == (end_of_turn,)
+    assert analysis.reasoning == reasoning
     assert analyse_chat_template(tokenizers[name], tools=TOOLS) == analysis
 
 
@@ -257,12 +258,6 @@ def test_a_template_that_fails_on_the_probe_is_refused(bpe_json: str) -> None:
             "<think>\nAdd the tens.\n</think>\n\nThe answer is 42.<|eot_id|>",
             "",
         ),
-        (
-            "deepseek",
-            "<｜begin▁of▁sentence｜><｜User｜>What is 12 + 30?<｜Assistant｜>",
-            "\n\nThe answer is 42.<｜end▁of▁sentence｜>",  # the template drops the reasoning, even here
-            "",
-        ),
     ],
 )
 def test_single_turn(
@@ -296,12 +291,8 @@ def test_the_prompt_is_the_generation_prompt_the_engine_saw(qwen3: PreTrainedTok
             ["2 + 3 = 5.<|im_end|>", "5 times 4 is 20.<|im_end|>", " 20 minus 7 is 13.\n<|im_end|>"],
         ),
         (
-            "qwen3",  # the last turn, after the last query, gets an empty reasoning block (see below)
-            [
-                "2 + 3 = 5.<|im_end|>",
-                "5 times 4 is 20.<|im_end|>",
-                "</think>\n\n 20 minus 7 is 13.\n<|im_end|>",
-            ],
+            "qwen3",  # the last turn, after the last query, gets an empty reasoning block: not the model's
+            ["2 + 3 = 5.<|im_end|>", "5 times 4 is 20.<|im_end|>", " 20 minus 7 is 13.\n<|im_end|>"],
         ),
         (
             "llama31",  # Llama's template trims the content
@@ -327,7 +318,7 @@ def test_system_prompt_and_several_turns(
     assert SYSTEM in prompt
     assert "What is 2 + 3?" in prompt
     assert "2 + 3 = 5." not in prompt  # the prompt ends with the first turn's assistant header
-    assert prompt.endswith(analyse_chat_template(tokenizer).search_header)
+    assert prompt.endswith(analyse_chat_template(tokenizer).header_prefixes)
 
 
 def test_no_token_of_a_user_or_system_turn_is_masked(tokenizers: dict[str, PreTrainedTokenizerFast]) -> None:
@@ -341,20 +332,27 @@ def test_no_token_of_a_user_or_system_turn_is_masked(tokenizers: dict[str, PreTr
         assert "Thanks! Now 20 minus 7?" in unmasked
 
 
-def test_deepseek_multi_turn_with_reasoning_masks_what_the_template_keeps(
-    deepseek: PreTrainedTokenizerFast,
+@pytest.mark.parametrize(
+    "messages",
+    [
+        SINGLE_TURN,
+        multi_turn(
+            "<think>\n2 and 3.\n</think>\n\n2 + 3 = 5.",
+            "<think>\nFive fours.\n</think>\n\n5 times 4 is 20.",
+            "<think>\nTake 7 away.\n</think>\n\n20 minus 7 is 13.",
+        ),
+    ],
+)
+def test_a_template_that_drops_the_reasoning_the_model_wrote_is_refused(
+    deepseek: PreTrainedTokenizerFast, messages: list[dict[str, Any]]
 ) -> None:
-    messages = multi_turn(
-        "<think>\n2 and 3.\n</think>\n\n2 + 3 = 5.",
-        "<think>\nFive fours.\n</think>\n\n5 times 4 is 20.",
-        "<think>\nTake 7 away.\n</think>\n\n20 minus 7 is 13.",
-    )
-    sample = convert(deepseek, messages)
-    assert masked_text(deepseek, sample) == [
-        "\n\n2 + 3 = 5.<｜end▁of▁sentence｜>",
-        "\n\n5 times 4 is 20.<｜end▁of▁sentence｜>",
-        "\n\n20 minus 7 is 13.<｜end▁of▁sentence｜>",
-    ]
+    # DeepSeek-R1-distill's template cuts every reply at "</think>": the sample would train the answer
+    # without the reasoning the model wrote before it.
+    with pytest.raises(SampleConversionError, match="rewrites its content"):
+        to_training_sample(trajectory(messages), deepseek)
+    reply = {"role": "assistant", "content": "The answer is 42.", "reasoning_content": "Add the tens."}
+    with pytest.raises(SampleConversionError, match="does not render the reasoning of the last reply"):
+        to_training_sample(trajectory([SINGLE_TURN[0], reply]), deepseek)
 
 
 # --- Qwen3 reasoning -------------------------------------------------------------------------------------
@@ -391,14 +389,24 @@ def test_qwen3_tool_turns_after_the_last_query_keep_their_reasoning(qwen3: PreTr
     ]
 
 
-def test_a_token_straddling_the_header_stays_unmasked(qwen3: PreTrainedTokenizerFast) -> None:
-    # An empty reasoning renders "<think>\n" + "\n</think>": the header's "\n" and the reply's "\n" are one
-    # token, which the mask leaves out rather than train the model on a character of its prompt.
+def test_the_empty_reasoning_block_of_the_template_is_not_trained(qwen3: PreTrainedTokenizerFast) -> None:
+    # Qwen3's template writes "<think>\n\n</think>\n\n" before a reply without reasoning: the model did not.
     sample = convert(qwen3, PLAIN_SINGLE_TURN)
     text = qwen3.apply_chat_template(PLAIN_SINGLE_TURN, tokenize=False)
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nThe answer is 42.<|im_end|>\n")
-    assert masked_text(qwen3, sample) == ["</think>\n\nThe answer is 42.<|im_end|>"]
-    assert decode(qwen3, sample.tokens[sample.prompt_length - 1 :][:1]) == "\n\n"
+    assert masked_text(qwen3, sample) == ["The answer is 42.<|im_end|>"]
+    prompt = decode(qwen3, sample.tokens[: sample.prompt_length])
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_a_reply_cut_off_in_its_reasoning_trains_the_reasoning_only(qwen3: PreTrainedTokenizerFast) -> None:
+    # The template closes the reasoning ("\n</think>\n\n") and the turn; the model wrote neither.
+    reply = {"role": "assistant", "content": "", "reasoning_content": "Add the tens and"}
+    sample = convert(qwen3, [SINGLE_TURN[0], reply], finish_reason="length")
+    assert masked_text(qwen3, sample) == ["Add the tens and"]
+    assert (
+        decode(qwen3, sample.tokens[sample.prompt_length :]) == "Add the tens and\n</think>\n\n<|im_end|>\n"
+    )
 
 
 # --- tools -----------------------------------------------------------------------------------------------
@@ -446,13 +454,9 @@ def test_tool_conversation_with_a_system_prompt(
 
 def test_deepseek_tool_conversations_are_refused(deepseek: PreTrainedTokenizerFast) -> None:
     converter = SampleConverter(deepseek, tools=TOOLS)
-    # The template tests `content is none`, and transformers drops None fields: the call cannot be rendered.
+    # The template renders a call only for `content is none`, and transformers drops None fields.
     messages = tool_conversation(ARGUMENTS, "17 + 25 = 42.")
-    with pytest.raises(SampleConversionError, match=r"uid-1.*cannot render the messages"):
-        converter.convert(trajectory(messages))
-    # With content "", the call is dropped and the reply after the tool result gets no assistant header.
-    messages[2]["content"] = ""
-    with pytest.raises(SampleConversionError, match=r"assistant turn 2 of 2: .* no assistant header"):
+    with pytest.raises(SampleConversionError, match=r"uid-1.*message 2: .* does not render its tool calls"):
         converter.convert(trajectory(messages))
 
 
@@ -564,7 +568,7 @@ def test_a_cut_off_reply_does_not_train_on_the_end_of_turn_the_template_adds(
 ) -> None:
     messages = multi_turn("2 + 3 = 5.", "5 times 4 is 20.", "20 minus 7 is")
     for name, tokenizer in tokenizers.items():
-        end = analyse_chat_template(tokenizer).end_of_turn
+        (end,) = analyse_chat_template(tokenizer).end_of_turn
         completed = masked_text(tokenizer, convert(tokenizer, messages))
         cut_off = masked_text(tokenizer, convert(tokenizer, messages, finish_reason=finish_reason))
         assert cut_off[:-1] == completed[:-1], name
@@ -618,7 +622,7 @@ def test_the_batch_form_analyses_the_template_once(
         items = [
             trajectory(PLAIN_SINGLE_TURN),
             trajectory(multi_turn("2 + 3 = 5.", "5 times 4 is 20.", "20 minus 7 is 13.")),
-            trajectory(SINGLE_TURN, finish_reason="length"),
+            trajectory(PLAIN_SINGLE_TURN, finish_reason="length"),
         ] * 4
         calls.clear()
         samples = SampleConverter(tokenizer).convert_many(iter(items))
@@ -633,10 +637,9 @@ def test_the_batch_form_analyses_the_template_once(
 def test_characters_split_into_bytes_are_masked_whole(tokenizers: dict[str, PreTrainedTokenizerFast]) -> None:
     messages = multi_turn("2 + 3 = 5 ✓", "Fünf mal vier: 20", "13 — done 🎉")
     for tokenizer in tokenizers.values():
-        end = analyse_chat_template(tokenizer).end_of_turn
+        (end,) = analyse_chat_template(tokenizer).end_of_turn
         generated = masked_text(tokenizer, convert(tokenizer, messages))
-        assert generated[:2] == ["2 + 3 = 5 ✓" + end, "Fünf mal vier: 20" + end]
-        assert generated[2].endswith("13 — done 🎉" + end)  # Qwen3 opens the last one with "</think>\n\n"
+        assert generated == ["2 + 3 = 5 ✓" + end, "Fünf mal vier: 20" + end, "13 — done 🎉" + end]
 
 
 class NoOffsetsTokenizer(PreTrainedTokenizerFast):
@@ -653,7 +656,7 @@ CONVERSATIONS: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]] | None
     ("qwen3", tool_conversation(ARGUMENTS, "17 + 25 = 42.", reasoning_content="Call add."), TOOLS),
     ("qwen3", PLAIN_SINGLE_TURN, None),
     ("llama31", tool_conversation({"a": 17, "b": 25}, "17 + 25 = 42."), TOOLS),
-    ("deepseek", multi_turn("<think>\nSo.\n</think>\n\n5", " 20\n", "13"), None),
+    ("deepseek", multi_turn("So 5", " 20\n", "13"), None),
     ("llama31", multi_turn("2 + 3 = 5 ✓", "Fünf mal vier: 20", "13 — done 🎉"), None),
 ]
 

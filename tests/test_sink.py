@@ -147,7 +147,7 @@ def test_a_generator_in_the_service_writes_straight_into_the_buffer(
     data.write_text(
         '{"prompt": "What is 1 + 1?", "label": "2"}\n{"prompt": "What is 2 + 2?", "label": "4"}\n'
     )
-    client = make_client()
+    client = make_client(input_roots=[tmp_path])
     job = client.post(
         "/start_rollout",
         json={

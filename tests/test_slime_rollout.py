@@ -1,4 +1,5 @@
-"""slime's rollout function against a running buffer, with stand-ins for slime's data source.
+"""slime's rollout function against a running buffer, through the stand-in of slime's types,
+data source and trainer checks in tests/slime_stub.
 
 The buffer runs the shipped math generator against the simulated policy server; the
 tokenizer is built offline and saved where slime's ``--hf-checkpoint`` would point.
@@ -15,6 +16,12 @@ from typing import Any
 
 import httpx
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "slime_stub"))
+
+from slime.observability.rollout_metrics import log_eval_rollout_data
+from slime.ray.rollout import generate
+from slime.utils.types import Sample
 
 from buffer import slime_rollout
 from buffer.demo import free_port, started, wait_ready
@@ -87,6 +94,8 @@ def buffer_url(tmp_path: Path) -> Iterator[str]:
         str(port),
         "--log-level",
         "warning",
+        "--input-roots",  # the tests' data sets
+        str(tmp_path),
     ]
     with started(command, "buffer", tmp_path / "buffer.log") as process:
         wait_ready(f"http://127.0.0.1:{port}/health", process, 60, "buffer")
@@ -115,6 +124,11 @@ def args(
         fetch_trajectory_retry_times=-1,
         eval_prompt_data=["arith", str(jsonl(tmp_path / "eval.jsonl", 5))],
         n_samples_per_eval_prompt=2,
+        advantage_estimator="grpo",
+        rewards_normalization=True,
+        grpo_std_normalization=True,
+        reward_key=None,
+        log_passrate=True,
     )
     slime_rollout.close_sessions()
 
@@ -127,16 +141,18 @@ def test_training_steps_return_whole_groups_keep_the_surplus_and_record_finished
     args: SimpleNamespace,
 ) -> None:
     source = DataSource()
-    steps = [slime_rollout.generate_rollout(args, step, source).samples for step in range(2)]
-    for groups in steps:
-        assert len(groups) == 3  # rollout_batch_size groups, not samples
+    steps = [generate(args, slime_rollout.generate_rollout, step, source) for step in range(2)]
+    for samples, train_data in steps:
+        assert len(samples) == 3 * 4  # rollout_batch_size groups of n, not samples
+        assert len(train_data["tokens"]) == len(train_data["rewards"]) == 12
+        groups = [samples[start : start + 4] for start in range(0, 12, 4)]
         for group in groups:
-            assert len(group) == 4
+            assert len({sample.group_index for sample in group}) == 1
             assert len({sample.metadata["uid"] for sample in group}) == 4
             for sample in group:
+                assert isinstance(sample, Sample)
                 assert len(sample.loss_mask) == sample.response_length < len(sample.tokens)
-                assert sample.status in set(slime_rollout.Sample.Status)
-                assert sample.metadata["label"] == str(int(sample.metadata["instance_id"][1:]) + 3)
+                assert sample.label == str(int(sample.metadata["instance_id"][1:]) + 3)
     jobs = buffer_get(args.rollout_buffer_url, "/jobs")["jobs"]
     assert len([job for job in jobs if job["task_type"] == "math"]) == 1  # started once per process
     delivered = buffer_get(args.rollout_buffer_url, "/buffer/stats")["meta_info"]["tasks"]["math"][
@@ -150,16 +166,22 @@ def test_training_steps_return_whole_groups_keep_the_surplus_and_record_finished
 
 def test_a_resume_sends_the_recorded_groups_back_as_skips(args: SimpleNamespace) -> None:
     args.rollout_batch_size = 1
-    skipped = [f"q{i}" for i in range(11)]  # recorded by an earlier run of the trainer
+    skipped = [f"q{i}" for i in range(8)]  # recorded by an earlier run of the trainer
+    # Four groups are left, so that one of them has rewards that differ (the default
+    # is_valid_group drops a group of equal rewards; the simulator is right half the time).
     groups = slime_rollout.generate_rollout(args, 7, DataSource({"3": skipped})).samples
-    assert [{sample.metadata["instance_id"] for sample in group} for group in groups] == [{"q11"}]
+    ((instance,),) = [{sample.metadata["instance_id"] for sample in group} for group in groups]
+    assert instance in {"q8", "q9", "q10", "q11"}
 
 
-def test_waiting_on_a_rollout_that_has_ended_is_an_error_not_a_hang(args: SimpleNamespace) -> None:
+def test_when_the_pass_over_the_data_ends_another_starts(args: SimpleNamespace) -> None:
     args.rollout_batch_size = 2
     skipped = [f"q{i}" for i in range(11)]  # one group left to make, two wanted
-    with pytest.raises(RuntimeError, match=r"the math rollout is not running .*1 of 2 groups"):
-        slime_rollout.generate_rollout(args, 0, DataSource({"0": skipped}))
+    output = slime_rollout.generate_rollout(args, 0, DataSource({"0": skipped}))
+    assert len(output.samples) == 2
+    assert output.metrics["rollout_buffer/epochs_started"] == 1
+    jobs = buffer_get(args.rollout_buffer_url, "/jobs")["jobs"]
+    assert [job["status"] for job in jobs if job["task_type"] == "math"][:1] == ["succeeded"]
 
 
 def test_evaluation_returns_raw_rewards_of_every_sample_per_data_set(args: SimpleNamespace) -> None:
@@ -168,3 +190,7 @@ def test_evaluation_returns_raw_rewards_of_every_sample_per_data_set(args: Simpl
     assert len(result["rewards"]) == len(result["truncated"]) == len(result["samples"]) == 5 * 2
     assert set(result["rewards"]) <= {0.0, 1.0}  # raw: not normalised, not padded
     assert all(isinstance(flag, bool) for flag in result["truncated"])
+    assert [sample.group_index for sample in result["samples"]] == [i // 2 for i in range(10)]
+    logged = log_eval_rollout_data(5, args, output.data, output.metrics)
+    assert logged["eval/arith"] == sum(result["rewards"]) / 10
+    assert "eval/arith-pass@2" in logged

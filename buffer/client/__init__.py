@@ -15,13 +15,15 @@ With ``api_key`` (default: the ``ROLLOUT_BUFFER_API_KEY`` variable) every reques
 ``Authorization: Bearer <key>``.
 
 Transport errors, timeouts, 429 (honouring ``Retry-After``) and 5xx are retried with
-exponential backoff and jitter, up to ``max_attempts``; any other 4xx raises at once. A
+exponential backoff and jitter (0.5 s doubling up to 5 s) for ``max_retry_s``, a minute by
+default: longer than the service takes to restart, so a trainer rides out a crash or a deploy
+of the buffer (``max_attempts`` bounds the attempts too, if set). Any other 4xx raises at once. A
 read is retried too: the server deletes only what it returns, so a retry never takes a
 group twice (a response lost in transit is lost with or without a retry). The errors::
 
     BufferClientError              the base: url, status_code, message, errors, body
     ├── BufferRequestError         a 4xx: the server refused the request (not retried)
-    └── BufferUnavailableError     transport errors, timeouts, 429 and 5xx, after max_attempts
+    └── BufferUnavailableError     transport errors, timeouts, 429 and 5xx, once retries run out
 
 Request building, response parsing, retries and waiting are shared by the two clients; only
 their I/O loops differ:

@@ -7,12 +7,15 @@ answer into the call's typed result (or ``BufferClientError`` when it cannot be 
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 from typing import Any, TypeVar
 
 import httpx
 import orjson
-from tenacity import retry_if_exception_type, stop_after_attempt
+from tenacity import retry_if_exception_type, stop_after_attempt, stop_before_delay, stop_never
+from tenacity.stop import stop_base
 
 from buffer.client.calls import Call
 from buffer.client.errors import BufferClientError, BufferUnavailableError
@@ -22,6 +25,10 @@ _T = TypeVar("_T")
 
 #: Where a client finds the key when none is passed: one variable for a trainer and its generators.
 API_KEY_VARIABLE = "ROLLOUT_BUFFER_API_KEY"
+
+#: How long a failing request is retried by default: longer than the service takes to restart
+#: (a crash, a deploy, a journal to replay), so a trainer rides it out instead of dying.
+DEFAULT_MAX_RETRY_S = 60.0
 
 
 def key_or_env(api_key: str | None) -> str | None:
@@ -38,15 +45,19 @@ class ClientBase:
         *,
         api_key: str | None,
         timeout_s: float,
-        max_attempts: int,
+        max_attempts: int | None,
+        max_retry_s: float | None,
         backoff_s: float,
         max_backoff_s: float,
     ) -> None:
-        if max_attempts < 1:
+        if max_attempts is not None and max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, not {max_attempts}")
+        if max_retry_s is not None and not max_retry_s >= 0:
+            raise ValueError(f"max_retry_s must be >= 0, not {max_retry_s}")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.max_attempts = max_attempts
+        self.max_retry_s = max_retry_s
         self._backoff_s = backoff_s
         self._max_backoff_s = max_backoff_s
         self._headers = {"content-type": "application/json", "accept": "application/json"}
@@ -55,9 +66,15 @@ class ClientBase:
             self._headers["authorization"] = f"Bearer {api_key}"
 
     def _retry_options(self) -> dict[str, Any]:
-        """For tenacity's ``Retrying`` and ``AsyncRetrying`` alike."""
+        """For tenacity's ``Retrying`` and ``AsyncRetrying`` alike: retried until ``max_retry_s``
+        would pass before the next attempt, or ``max_attempts`` were made, whichever comes first."""
+        stops: list[stop_base] = []
+        if self.max_attempts is not None:
+            stops.append(stop_after_attempt(self.max_attempts))
+        if self.max_retry_s is not None:
+            stops.append(stop_before_delay(self.max_retry_s))
         return {
-            "stop": stop_after_attempt(self.max_attempts),
+            "stop": functools.reduce(operator.or_, stops) if stops else stop_never,
             "wait": RetryWait(self._backoff_s, self._max_backoff_s),
             "retry": retry_if_exception_type((RetryableStatus, httpx.TransportError)),
             "before_sleep": log_retry,
@@ -68,9 +85,9 @@ class ClientBase:
         content = orjson.dumps(call.body) if call.body is not None else None
         return {"content": content, "timeout": self.timeout_s + call.wait_s}
 
-    def _gave_up(self, call: Call[Any], exc: Exception) -> BufferUnavailableError:
+    def _gave_up(self, call: Call[Any], exc: Exception, attempts_made: int) -> BufferUnavailableError:
         url = self.base_url + call.path
-        attempts = f"{self.max_attempts} attempt{'s' if self.max_attempts > 1 else ''}"
+        attempts = f"{attempts_made} attempt{'s' if attempts_made > 1 else ''}"
         if isinstance(exc, RetryableStatus):
             last = exc.failure
             return BufferUnavailableError(

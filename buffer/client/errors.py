@@ -2,7 +2,7 @@
 
     BufferClientError              the base: url, status_code, message, errors, body
     ├── BufferRequestError         a 4xx other than 429: the request is wrong (not retried)
-    └── BufferUnavailableError     transport errors, timeouts, 429 and 5xx, after max_attempts
+    └── BufferUnavailableError     transport errors, timeouts, 429 and 5xx, once retries run out
 
 A 429 or 5xx is first raised as ``RetryableStatus`` (``buffer.client.retries``), an internal
 signal to retry that becomes ``BufferUnavailableError`` when the attempts run out.
@@ -44,4 +44,4 @@ class BufferRequestError(BufferClientError):
 
 
 class BufferUnavailableError(BufferClientError):
-    """Transport errors, timeouts, 429 or 5xx, still failing after ``max_attempts``."""
+    """Transport errors, timeouts, 429 or 5xx, still failing once the retries ran out."""

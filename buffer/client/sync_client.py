@@ -9,7 +9,7 @@ import httpx
 from tenacity import Retrying
 
 from buffer.client import calls
-from buffer.client.base import ClientBase
+from buffer.client.base import DEFAULT_MAX_RETRY_S, ClientBase
 from buffer.client.calls import Call
 from buffer.client.models import BufferStats, JobInfo, RolloutBatch, StartedRollout
 from buffer.client.polling import LongPoll
@@ -27,9 +27,10 @@ class RolloutBufferClient(ClientBase):
         *,
         api_key: str | None = None,
         timeout_s: float = 60.0,
-        max_attempts: int = 5,
+        max_attempts: int | None = None,
+        max_retry_s: float | None = DEFAULT_MAX_RETRY_S,
         backoff_s: float = 0.5,
-        max_backoff_s: float = 10.0,
+        max_backoff_s: float = 5.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         super().__init__(
@@ -37,6 +38,7 @@ class RolloutBufferClient(ClientBase):
             api_key=api_key,
             timeout_s=timeout_s,
             max_attempts=max_attempts,
+            max_retry_s=max_retry_s,
             backoff_s=backoff_s,
             max_backoff_s=max_backoff_s,
         )
@@ -96,10 +98,11 @@ class RolloutBufferClient(ClientBase):
 
     def _call(self, call: Call[_T]) -> _T:
         options = self._request_options(call)
+        retrying = Retrying(**self._retry_options())
         try:
-            for attempt in Retrying(**self._retry_options()):
+            for attempt in retrying:
                 with attempt:
                     answer = decode(self._client.request(call.method, call.path, **options))
         except (RetryableStatus, httpx.TransportError) as exc:
-            raise self._gave_up(call, exc) from exc
+            raise self._gave_up(call, exc, retrying.statistics.get("attempt_number", 1)) from exc
         return self._parse(call, answer)

@@ -30,17 +30,16 @@ async def start_rollout(body: StartRolloutRequest, svc: Annotated[Services, Depe
     name = body.rollout_name or body.task_type
     running = svc.jobs.running(name)
     if running is None or body.restart:
+        settings = _task_settings(body, svc.settings.default_task_settings())
+        data = await svc.jobs.check(_generator_data(body, name, settings, local_url(svc.settings)))
         if running is not None:
             await svc.jobs.cancel(running.id)
-        settings = _task_settings(body, svc.settings.default_task_settings())
         if body.evaluation:
             svc.buffer.configure_task(name, settings, EVALUATION_HOOKS, hooks_source=EVALUATION_SOURCE)
         else:
             svc.buffer.configure_task(name, settings, generator.hooks, hooks_source=body.task_type)
         await svc.buffer.wait_durable()
-        job = svc.jobs.start(
-            generator, _generator_data(body, name, settings, local_url(svc.settings)), name=name
-        )
+        job = svc.jobs.start(generator, data, name=name)
         message = "Rollout started"
     else:
         job, message = running, "Rollout already running"

@@ -1,17 +1,22 @@
 """Trajectories to training samples: `SampleConverter` and its one-off form `to_training_sample`.
 
-Two paths, chosen per trajectory:
+Three paths, chosen per trajectory:
 
-- token in, token out: a single-turn trajectory whose ``extra_info`` carries the engine's
-  ``prompt_token_ids`` and ``token_ids`` is used as generated, without re-tokenising; its ``logprobs``
+- token records: a trajectory with ``turns`` (what the engine received and sampled, per policy
+  request) is built from them alone (`buffer.samples.turns`): nothing is re-tokenised, and its
+  logprobs become ``rollout_log_probs``. A turn whose prompt does not extend the previous one's starts
+  a new branch: one sample per branch (``convert_all``).
+- token in, token out (the older single-turn form): a single-turn trajectory whose ``extra_info``
+  carries the engine's ``prompt_token_ids`` and ``token_ids`` is used as generated; its ``logprobs``
   become ``rollout_log_probs``.
-- re-tokenise: anything else (multi-turn trajectories, or ones without token ids) is rendered whole
-  by the tokenizer's chat template, so ``tokens`` is exactly ``apply_chat_template(messages, tools=tools)``,
-  and the loss mask is read off the rendered text (`buffer.samples.masking`). Per-turn token ids of a
-  multi-turn trajectory are not spliced together: the tokens between the turns (tool results, user turns,
-  headers) would have to be tokenised on their own, which need not match tokenising the conversation, and
-  templates that rewrite earlier turns make the turns as generated differ from the conversation trained on.
-  Their log probabilities are dropped for the same reason.
+- re-tokenise: anything else (text only: slime's own generators) is rendered whole by the
+  tokenizer's chat template, so ``tokens`` is exactly ``apply_chat_template(messages, tools=tools)`` with
+  the trajectory's own ``tools`` (else the converter's), and the loss mask is 1 only on what the model
+  generated of its generated messages (`buffer.samples.rerender`), or the trajectory is refused. Per-turn
+  token ids of a multi-turn trajectory are not spliced together: the tokens between the turns (tool results,
+  user turns, headers) would have to be tokenised on their own, which need not match tokenising the
+  conversation, and templates that rewrite earlier turns make the turns as generated differ from the
+  conversation trained on. Their log probabilities are dropped for the same reason.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from buffer.samples import masking
+from buffer.samples import masking, rerender, turns
 from buffer.samples.sample import SampleConversionError, TrainingSample, sample_status
 from buffer.samples.template import (
     ChatTemplateAnalysis,
@@ -40,20 +45,50 @@ logger = logging.getLogger(__name__)
 class SampleConverter:
     """Converts trajectories with one tokenizer, analysing its chat template once, up front."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, tools: Tools | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        tools: Tools | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.tools = tools
-        self.analysis: ChatTemplateAnalysis = analyse_chat_template(tokenizer, tools=tools)
+        self.analysis: ChatTemplateAnalysis = analyse_chat_template(
+            tokenizer, tools=tools, template_kwargs=chat_template_kwargs
+        )
         self._offsets_warned = False
 
     def convert_many(self, trajectories: Iterable[Mapping[str, Any]]) -> list[TrainingSample]:
+        """One sample per trajectory (`convert`): a trajectory with several branches is refused."""
         return [self.convert(trajectory) for trajectory in trajectories]
 
     def convert(self, trajectory: Mapping[str, Any]) -> TrainingSample:
+        """The trajectory's one sample; `SampleConversionError` if its turns make several branches."""
+        samples = self.convert_all(trajectory)
+        if len(samples) != 1:
+            raise SampleConversionError(
+                f"trajectory {trajectory.get('uid')!r}: its turns make {len(samples)} branches (starting "
+                f"at turns {', '.join(str(s.metadata.get('first_turn')) for s in samples)}): a turn's prompt "
+                "does not extend what the turns before it hold; convert_all returns one sample per branch"
+            )
+        return samples[0]
+
+    def convert_all(self, trajectory: Mapping[str, Any]) -> list[TrainingSample]:
+        """Every sample of the trajectory: one, or one per branch of its token records."""
         try:
-            return self._convert(trajectory)
+            if trajectory.get("turns"):
+                return self._convert_turns(trajectory)
+            return [self._convert(trajectory)]
         except SampleConversionError as exc:
             raise SampleConversionError(f"trajectory {trajectory.get('uid')!r}: {exc}") from exc
+
+    def _convert_turns(self, trajectory: Mapping[str, Any]) -> list[TrainingSample]:
+        reward = _number(trajectory.get("reward"), "reward")
+        raw = trajectory.get("raw_reward")
+        return turns.samples_from_turns(
+            trajectory, reward, reward if raw is None else _number(raw, "raw_reward")
+        )
 
     def _convert(self, trajectory: Mapping[str, Any]) -> TrainingSample:
         messages = trajectory.get("messages")
@@ -68,6 +103,7 @@ class SampleConverter:
         reward = _number(trajectory.get("reward"), "reward")
         raw = trajectory.get("raw_reward")
         status = sample_status(extra_info.get("finish_reason"))
+        tools = self._tools_of(trajectory)
 
         generated = None
         if turns == 1 and messages[-1].get("role") == "assistant":
@@ -83,7 +119,7 @@ class SampleConverter:
                     trajectory.get("uid"),
                 )
             last_turn_ended = status == "completed" or messages[-1].get("role") != "assistant"
-            tokens, loss_mask = self._tokenise(messages, turns, last_turn_ended=last_turn_ended)
+            tokens, loss_mask = self._tokenise(messages, tools=tools, last_turn_ended=last_turn_ended)
             log_probs = None
         return TrainingSample(
             tokens=tokens,
@@ -96,19 +132,42 @@ class SampleConverter:
             rollout_log_probs=log_probs,
             uid=trajectory.get("uid"),
             instance_id=trajectory.get("instance_id"),
+            tools=[dict(tool) for tool in tools] if tools is not None else None,
         )
 
+    def _tools_of(self, trajectory: Mapping[str, Any]) -> Tools | None:
+        """The tools the model was given: the trajectory's own, else the converter's."""
+        tools = trajectory.get("tools")
+        if tools is None:
+            return self.tools
+        if not isinstance(tools, list) or not all(isinstance(tool, Mapping) for tool in tools):
+            raise SampleConversionError("tools: not a list of tool schemas")
+        return tools
+
     def _tokenise(
-        self, messages: Sequence[Mapping[str, Any]], turns: int, *, last_turn_ended: bool
+        self, messages: Sequence[Mapping[str, Any]], *, tools: Tools | None, last_turn_ended: bool
     ) -> tuple[list[int], list[int]]:
         """The conversation's tokens and the loss mask over its response (from the first generated token)."""
-        conversation = [dict(m) for m in messages]
+        generated = rerender.generated_messages(messages)
+        if not generated:
+            raise SampleConversionError("messages: no generated assistant message, so nothing to train on")
+        conversation = rerender.prepare_messages(messages, self.analysis)
         try:
-            text = render_chat(self.tokenizer, conversation, tools=self.tools)
-            ids, offsets = self._encode(conversation)
+            text = render_chat(
+                self.tokenizer, conversation, tools=tools, template_kwargs=self.analysis.template_kwargs
+            )
+            ids, offsets = self._encode(conversation, tools)
         except template_errors() as exc:
             raise SampleConversionError(f"the chat template cannot render the messages: {exc}") from exc
-        spans = masking.assistant_spans(text, self.analysis, turns, last_turn_ended=last_turn_ended)
+        spans = rerender.generated_spans(
+            self.tokenizer,
+            self.analysis,
+            conversation,
+            text,
+            tools=tools,
+            generated=generated,
+            last_turn_ended=last_turn_ended,
+        )
         if offsets is not None and masking.offsets_partition(offsets, len(text)):
             mask = masking.mask_from_offsets(offsets, spans)
         else:
@@ -120,23 +179,27 @@ class SampleConverter:
                 )
             mask = masking.mask_from_decoding(self.tokenizer, ids, text, spans)
         if 1 not in mask:
-            raise SampleConversionError("no token of the assistant turns is the model's")
+            raise SampleConversionError("no token of the generated messages is the model's")
         return ids, mask[mask.index(1) :]
 
-    def _encode(self, conversation: list[dict[str, Any]]) -> tuple[list[int], list[tuple[int, int]] | None]:
+    def _encode(
+        self, conversation: list[dict[str, Any]], tools: Tools | None
+    ) -> tuple[list[int], list[tuple[int, int]] | None]:
         """``apply_chat_template(tokenize=True)``'s token ids, and their character spans if it has them."""
-        tools = template_tools(self.tools)
+        schemas = template_tools(tools)
+        kwargs = dict(self.analysis.template_kwargs)
         try:
             encoding = self.tokenizer.apply_chat_template(
                 conversation,
-                tools=tools,
+                tools=schemas,
                 tokenize=True,
                 return_dict=True,
                 tokenizer_kwargs={"return_offsets_mapping": True},
+                **kwargs,
             )
         except NotImplementedError:  # a tokenizer without offsets (a Python one)
             encoding = self.tokenizer.apply_chat_template(
-                conversation, tools=tools, tokenize=True, return_dict=True
+                conversation, tools=schemas, tokenize=True, return_dict=True, **kwargs
             )
         if not isinstance(encoding, Mapping) or not encoding.get("input_ids"):
             raise SampleConversionError("apply_chat_template(tokenize=True) gave no token ids")

@@ -1,14 +1,9 @@
-"""Where the assistant turns lie in a rendered conversation, as characters and then as tokens.
+"""The loss mask over a rendered conversation's tokens, from the character spans the model generated.
 
-The conversation is rendered once, whole, so the text is exactly what the template makes of it, earlier
-turns rewritten included (Qwen3 and DeepSeek-R1-distill drop old reasoning). The assistant turns are then
-found in that text in order: the next assistant header, and the first end-of-turn token after it. What lies
-between the end of the header and the end of the end-of-turn token is what the model generated.
-
-Characters become tokens through the tokenizer's offsets; where it has none, or they do not partition the
-text (trimmed offsets), through decoding prefixes of the token ids. A token counts as generated only if it
-lies wholly inside a turn: one that straddles the end of a header (say "\\n\\n" after Qwen3's "<think>\\n")
-stays 0.
+The spans come from `buffer.samples.rerender`. Characters become tokens through the tokenizer's offsets;
+where it has none, or they do not partition the text (trimmed offsets), through decoding prefixes of the
+token ids. A token counts as generated only if it lies wholly inside a turn: one that straddles the end of a
+header (say "\\n\\n" after Qwen3's "<think>\\n") stays 0.
 """
 
 from __future__ import annotations
@@ -18,45 +13,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from buffer.samples.sample import SampleConversionError
-from buffer.samples.template import ChatTemplateAnalysis
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 Span = tuple[int, int]
-
-
-def assistant_spans(
-    text: str, analysis: ChatTemplateAnalysis, turns: int, *, last_turn_ended: bool = True
-) -> list[Span]:
-    """The character span of each of ``turns`` assistant turns' generated part, in order.
-
-    With ``last_turn_ended=False`` (a cut-off reply) the last span stops before its end-of-turn token,
-    which the template writes but the model never produced.
-    """
-    header, end = analysis.search_header, analysis.end_of_turn
-    spans: list[Span] = []
-    position = 0
-    for turn in range(1, turns + 1):
-        at = text.find(header, position)
-        if at < 0:
-            raise SampleConversionError(
-                f"assistant turn {turn} of {turns}: the rendered conversation has no assistant header "
-                f"{header!r} after character {position} (the template renders it without one)"
-            )
-        start = at + len(analysis.header_at(text, at))
-        end_at = text.find(end, start)
-        next_header = text.find(header, start)
-        if end_at < 0 or 0 <= next_header < end_at:
-            raise SampleConversionError(
-                f"assistant turn {turn} of {turns}: the template writes no end-of-turn token {end!r} after it"
-            )
-        spans.append((start, end_at + len(end)))
-        position = end_at + len(end)
-    if spans and not last_turn_ended:
-        start, stop = spans[-1]
-        spans[-1] = (start, stop - len(end))
-    return spans
 
 
 def offsets_partition(offsets: Sequence[tuple[int, int]], text_length: int) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 SampleStatus = Literal["completed", "truncated", "aborted"]
@@ -21,7 +21,13 @@ class TrainingSample:
     tokens are the response, from the first generated token on. ``loss_mask`` has one entry per response
     token: 1 where the model generated it (replies, reasoning, tool calls, end-of-turn tokens), 0 on tool
     results, user turns and the template's own headers and whitespace. ``metadata`` is the trajectory's
-    ``extra_info`` itself, not a copy.
+    ``extra_info`` itself, not a copy (one of several branches of a trajectory gets a copy that adds
+    ``branches``, ``branch`` and ``first_turn``, `buffer.samples.turns`).
+
+    ``rollout_log_probs`` has one entry per response token, the sampling logprob under mask 1 and 0.0
+    under mask 0, or is None where the engine's are not known. ``weight_versions`` holds the engine's
+    weight version of each turn of the sample (None where it reported none; empty without token
+    records); ``tools`` are the tools the model was given, as the trajectory records them.
     """
 
     tokens: list[int]
@@ -34,6 +40,8 @@ class TrainingSample:
     rollout_log_probs: list[float] | None
     uid: Any
     instance_id: Any
+    weight_versions: list[Any] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
 
     @property
     def prompt_length(self) -> int:

@@ -10,8 +10,11 @@ async def run_rollout(data):
 """
 
 from buffer.toolkit.agent import Tool, run_tools, single_turn
+from buffer.toolkit.arithmetic import calculate
 from buffer.toolkit.dataset import Plan, derive_seed, prompt_messages, read_rows
-from buffer.toolkit.llm import ChatClient, ContinuePolicy, LLMError, RetryPolicy
+from buffer.toolkit.failfast import MisconfiguredEngine
+from buffer.toolkit.llm import ChatClient, ContinuePolicy, EngineClient, LLMError, RetryPolicy
+from buffer.toolkit.records import turn_records
 from buffer.toolkit.rewards import (
     MathReward,
     RemoteRewardModel,
@@ -19,19 +22,30 @@ from buffer.toolkit.rewards import (
     choice_reward,
     extract_boxed,
 )
-from buffer.toolkit.runner import Progress, RolloutSettings, run_rollouts
+from buffer.toolkit.runner import Progress, RolloutSettings, policy_client, run_rollouts
 from buffer.toolkit.sink import HttpSink, LocalSink, open_sink
-from buffer.toolkit.types import Completion, Episode, Sample
+from buffer.toolkit.tito import (
+    TemplateError,
+    TokenClient,
+    TokenizerMissing,
+    TokenRenderer,
+    hermes_tool_calls,
+    load_tokenizer,
+    split_reasoning,
+)
+from buffer.toolkit.types import Completion, Episode, Sample, TokenCapture
 
 __all__ = [
     "ChatClient",
     "Completion",
     "ContinuePolicy",
+    "EngineClient",
     "Episode",
     "HttpSink",
     "LLMError",
     "LocalSink",
     "MathReward",
+    "MisconfiguredEngine",
     "Plan",
     "Progress",
     "RemoteRewardModel",
@@ -39,14 +53,25 @@ __all__ = [
     "RewardModelError",
     "RolloutSettings",
     "Sample",
+    "TemplateError",
+    "TokenCapture",
+    "TokenClient",
+    "TokenRenderer",
+    "TokenizerMissing",
     "Tool",
+    "calculate",
     "choice_reward",
     "derive_seed",
     "extract_boxed",
+    "hermes_tool_calls",
+    "load_tokenizer",
     "open_sink",
+    "policy_client",
     "prompt_messages",
     "read_rows",
     "run_rollouts",
     "run_tools",
     "single_turn",
+    "split_reasoning",
+    "turn_records",
 ]

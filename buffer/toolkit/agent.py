@@ -4,7 +4,8 @@ A tool is an OpenAI function schema and a Python callable (sync or async) that t
 call's arguments as keyword arguments. The model's ``tool_calls`` run and come back as
 ``tool`` messages until the model answers without calling a tool, or ``max_turns`` is
 reached. The conversation stays in OpenAI's format, so the trainer can tell the model's
-turns from the tools' output and mask the latter.
+turns from the tools' output and mask the latter; each completion is handed the previous one,
+so a token-in/token-out client extends the prompt's ids instead of rendering it again.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from buffer.toolkit.llm import ChatClient
+from buffer.toolkit.llm import EngineClient
 from buffer.toolkit.types import Completion, Episode, Sample
 
 logger = logging.getLogger(__name__)
@@ -45,14 +46,14 @@ class Tool:
         return result if isinstance(result, str) else json.dumps(result)
 
 
-async def single_turn(llm: ChatClient, sample: Sample, **sampling: Any) -> Episode:
+async def single_turn(llm: EngineClient, sample: Sample, **sampling: Any) -> Episode:
     """One answer to the prompt."""
     completion = await llm.complete(sample.messages, seed=sample.seed, **sampling)
     return Episode([*sample.messages, completion.message()], completion.finish_reason, [completion])
 
 
 async def run_tools(
-    llm: ChatClient,
+    llm: EngineClient,
     sample: Sample,
     tools: Sequence[Tool],
     *,
@@ -69,11 +70,14 @@ async def run_tools(
     messages = list(sample.messages)
     completions: list[Completion] = []
     for turn in range(max_turns):
-        completion = await llm.complete(messages, tools=schemas, seed=sample.seed + turn, **sampling)
+        previous = completions[-1] if completions else None
+        completion = await llm.complete(
+            messages, tools=schemas, seed=sample.seed + turn, previous=previous, **sampling
+        )
         completions.append(completion)
         messages.append(completion.message())
         if not completion.tool_calls or completion.finish_reason in ("length", "abort"):
-            return Episode(messages, completion.finish_reason, completions)
+            return Episode(messages, completion.finish_reason, completions, schemas)
         for call in completion.tool_calls:
             messages.append(
                 {
@@ -82,7 +86,7 @@ async def run_tools(
                     "content": await _call_tool(by_name, call),
                 }
             )
-    return Episode(messages, "max_turns", completions)
+    return Episode(messages, "max_turns", completions, schemas)
 
 
 async def _call_tool(tools: dict[str, Tool], call: dict[str, Any]) -> str:

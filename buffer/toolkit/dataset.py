@@ -8,17 +8,32 @@ The data set is JSONL in slime's format: ``prompt`` (a string, or a list of chat
 repeated ``num_repeat_per_sample`` times in a row (so its group fills up soon). A
 ``skip_instance_ids`` entry skips one whole group of that instance: the trainer sends back
 the ``finished_groups`` the buffer reported, one entry per finished group.
+
+A job the service resumes after a restart gets a ``ResumePoint``, what its first run already
+produced: per instance, how many groups finished and which repeats the open group holds. The
+buffer groups by ``instance_id`` alone (one instance's groups of several epochs are told apart
+only by their order), so that is what it counts: an instance's groups, in plan order, are
+skipped as the trainer's skips are, then as many more as finished, and the next gets only its
+missing repeats. The plan's order is the first run's (same seed), so the groups skipped are
+the ones it made.
+
+``read_rows`` reads only a regular file, of at most ``MAX_FILE_BYTES``, in lines of at most
+``MAX_LINE_BYTES``: a device (``/dev/zero``), a pipe or a runaway line is an error, not a
+process that runs out of memory.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import os
 import random
+import stat
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -29,21 +44,58 @@ class DatasetError(ValueError):
     """A data set file that cannot be read; names the file and line."""
 
 
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
+MAX_FILE_BYTES = 2**30
+MAX_LINE_BYTES = 64 * 2**20
+
+
+def read_rows(
+    path: str | Path, *, max_bytes: int = MAX_FILE_BYTES, max_line_bytes: int = MAX_LINE_BYTES
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    with open(path, "rb") as lines:
-        for number, line in enumerate(lines):
+    total = 0
+    with _open_regular(path, max_bytes) as lines:
+        for number in itertools.count(1):
+            line = lines.readline(max_line_bytes + 1)
+            if not line:
+                break
+            total += len(line)
+            if len(line) > max_line_bytes:
+                raise DatasetError(f"{path}:{number}: a line longer than {max_line_bytes} bytes")
+            if total > max_bytes:
+                raise DatasetError(f"{path}: larger than {max_bytes} bytes")
             if not line.strip():
                 continue
             try:
                 row = orjson.loads(line)
             except orjson.JSONDecodeError as exc:
-                raise DatasetError(f"{path}:{number + 1}: not valid JSON: {exc}") from None
+                raise DatasetError(f"{path}:{number}: not valid JSON: {exc}") from None
             if not isinstance(row, dict) or "prompt" not in row:
-                raise DatasetError(f"{path}:{number + 1}: a row must be an object with a prompt")
-            row.setdefault("instance_id", number)
+                raise DatasetError(f"{path}:{number}: a row must be an object with a prompt")
+            row.setdefault("instance_id", number - 1)
             rows.append(row)
     return rows
+
+
+def _open_regular(path: str | Path, max_bytes: int) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file no larger than ``max_bytes``.
+
+    Opened without blocking (a FIFO would wait for a writer) and checked on the descriptor,
+    so what is read is what was checked."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot be read: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise DatasetError(f"{path}: not a regular file (a device, a pipe or a folder)")
+        if info.st_size > max_bytes:
+            raise DatasetError(f"{path}: {info.st_size} bytes, larger than {max_bytes}")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def prompt_messages(prompt: Any) -> list[Message]:
@@ -62,6 +114,36 @@ def derive_seed(base_seed: int, instance_id: Any, repeat: int, epoch: int) -> in
 
 
 @dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """What a job's earlier run produced, per instance id (matched on its text): ``finished``,
+    how many groups finished (delivered, ready, discarded or set aside); ``held``, the repeat
+    of each trajectory the open group holds (``None`` where a trajectory does not say)."""
+
+    finished: Mapping[str, int] = field(default_factory=dict)
+    held: Mapping[str, Sequence[int | None]] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ResumePoint:
+        """From the ``resume`` entry of a resumed job's data: ``{"finished_groups": [[id,
+        count], ...], "open_groups": [[id, [repeat, ...]], ...]}``."""
+        finished: Counter[str] = Counter()
+        for instance_id, count in data.get("finished_groups", ()):
+            finished[str(instance_id)] += int(count)
+        held = {str(instance_id): list(repeats) for instance_id, repeats in data.get("open_groups", ())}
+        return cls(finished, held)
+
+    def missing_repeats(self, key: str, group_size: int) -> range | list[int] | None:
+        """The repeats the instance's open group still needs; None when it has no open group."""
+        held = self.held.get(key)
+        if held is None:
+            return None
+        missing = max(0, group_size - len(held))
+        known = {r for r in held if isinstance(r, int) and 0 <= r < group_size}
+        candidates = [r for r in range(group_size) if r not in known]
+        return candidates[len(candidates) - missing :] if missing else []
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     rows: Sequence[dict[str, Any]]
     num_repeat_per_sample: int = 1
@@ -69,34 +151,50 @@ class Plan:
     seed: int = 0
     shuffle: bool = True
     skip_instance_ids: Iterable[Any] = ()
+    resume: ResumePoint | None = None
 
-    def __iter__(self) -> Iterator[Sample]:
+    def _groups(self) -> Iterator[tuple[int, dict[str, Any], Sequence[int]]]:
+        """Each group to run: its epoch, its row, its repeats."""
         # Ids may come back from the trainer as strings: match on the text.
         skips = Counter(str(instance_id) for instance_id in self.skip_instance_ids)
+        progress = self.resume or ResumePoint()
+        finished = Counter(progress.finished)
+        open_left = set(progress.held)
+        every = range(self.num_repeat_per_sample)
         for epoch in range(self.num_epoch):
             order = list(self.rows)
             if self.shuffle:
                 random.Random(f"{self.seed}|{epoch}").shuffle(order)
             for row in order:
-                instance_id = row["instance_id"]
-                if skips[str(instance_id)] > 0:
-                    skips[str(instance_id)] -= 1
+                key = str(row["instance_id"])
+                if skips[key] > 0:
+                    skips[key] -= 1
                     continue
-                messages = prompt_messages(row["prompt"])
-                for repeat in range(self.num_repeat_per_sample):
-                    yield Sample(
-                        instance_id=instance_id,
-                        row=row,
-                        messages=[dict(message) for message in messages],
-                        epoch=epoch,
-                        repeat=repeat,
-                        seed=derive_seed(self.seed, instance_id, repeat, epoch),
-                    )
+                if finished[key] > 0:
+                    finished[key] -= 1
+                    continue
+                if key in open_left:
+                    open_left.discard(key)
+                    repeats = progress.missing_repeats(key, self.num_repeat_per_sample)
+                    if repeats:
+                        yield epoch, row, repeats
+                    continue
+                yield epoch, row, every
+
+    def __iter__(self) -> Iterator[Sample]:
+        for epoch, row, repeats in self._groups():
+            instance_id = row["instance_id"]
+            messages = prompt_messages(row["prompt"])
+            for repeat in repeats:
+                yield Sample(
+                    instance_id=instance_id,
+                    row=row,
+                    messages=[dict(message) for message in messages],
+                    epoch=epoch,
+                    repeat=repeat,
+                    seed=derive_seed(self.seed, instance_id, repeat, epoch),
+                )
 
     def total(self) -> int:
         """How many samples iteration yields."""
-        skipped = Counter(str(instance_id) for instance_id in self.skip_instance_ids)
-        groups = len(self.rows) * self.num_epoch
-        present = Counter(str(row["instance_id"]) for row in self.rows)
-        groups -= sum(min(count, present[key] * self.num_epoch) for key, count in skipped.items())
-        return groups * self.num_repeat_per_sample
+        return sum(len(repeats) for _, _, repeats in self._groups())

@@ -29,13 +29,18 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from buffer.jobs import current_job
 from buffer.toolkit.agent import single_turn
-from buffer.toolkit.dataset import Plan, read_rows
-from buffer.toolkit.llm import ChatClient, ContinuePolicy, LLMStats, RetryPolicy
+from buffer.toolkit.dataset import Plan, ResumePoint, read_rows
+from buffer.toolkit.engines import Engine
+from buffer.toolkit.failfast import FailFast, MisconfiguredEngine
+from buffer.toolkit.llm import ChatClient, ContinuePolicy, EngineClient, LLMStats, RetryPolicy
+from buffer.toolkit.records import turn_records
 from buffer.toolkit.sink import RejectedTrajectory, TrajectorySink, open_sink
+from buffer.toolkit.tito import TokenClient, TokenEngine, TokenRenderer, load_tokenizer
 from buffer.toolkit.types import Completion, Episode, GroupRewardFn, Message, RewardFn, Sample
 from default_func import FAILURE_REWARD
 
@@ -62,6 +67,9 @@ class RolloutSettings(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     skip_instance_ids: list[str | int] = Field(default_factory=list)
+    resume: dict[str, Any] | None = Field(
+        None, description="set by the service when it resumes the job: what its earlier run produced"
+    )
     seed: int = 0
     shuffle: bool = True
     model: str = "default"
@@ -74,8 +82,22 @@ class RolloutSettings(BaseModel):
     max_attempts: int | None = Field(
         None, ge=1, description="at most this many HTTP attempts per request to the policy server"
     )
-    abort_retry_delay_s: float = Field(1.0, ge=0)
+    abort_retry_delay_s: float = Field(
+        0.5, ge=0, description="wait before continuing an abort that brought no new token (doubled each time)"
+    )
+    max_continuations: int = Field(8, ge=0, description="continuations of one aborted answer at most")
     progress_interval_s: float = Field(10.0, gt=0)
+    capture: bool = Field(True, description="ask the engine for token ids and logprobs; write them as turns")
+    engine: Engine = Field("auto", description="the policy server: vllm, sglang, or auto (fields of both)")
+    token_mode: bool = Field(
+        False,
+        description="token in, token out: render with tokenizer_path, talk to /generate or /v1/completions",
+    )
+    tokenizer_path: str | None = Field(None, description="the served model's tokenizer (slime sends it)")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    fail_fast_after: int = Field(
+        20, ge=1, description="trajectories in a row refused with the same 4xx before the run fails"
+    )
 
     def sampling(self) -> dict[str, Any]:
         params = dict(self.sampling_params)
@@ -92,6 +114,9 @@ class Progress:
     completed: int = 0
     failed: int = 0
     rejected: int = 0
+    #: Trajectories whose last answer was still aborted after its continuations (written with
+    #: ``finish_reason: "abort"``, which the default ``filter_item`` drops).
+    aborted: int = 0
     #: LLM requests: HTTP requests to the policy server, and those that retried a failure,
     #: counted for the answers that came.
     requests: int = 0
@@ -144,9 +169,11 @@ class Progress:
         s = self.snapshot()
         share = f" ({100 * s['completed'] / s['total']:.1f}%)" if s["total"] else ""
         failures = f", {s['request_failures']} LLM requests failed" if s["request_failures"] else ""
+        aborted = f", {s['aborted']} left aborted" if s["aborted"] else ""
         return (
             f"{self.task_type}: {s['completed']}/{s['total']} trajectories{share}, "
-            f"{s['trajectories_per_s']}/s, {s['failed']} failed, {s['in_flight']} in flight{failures}"
+            f"{s['trajectories_per_s']}/s, {s['failed']} failed{aborted}, "
+            f"{s['in_flight']} in flight{failures}"
         )
 
 
@@ -158,7 +185,7 @@ async def run_rollouts(
     rollout: Rollout = single_turn,
     prompt: Callable[[dict[str, Any]], list[Message]] | None = None,
     sink: TrajectorySink | None = None,
-    llm: ChatClient | None = None,
+    llm: EngineClient | None = None,
 ) -> Progress:
     """Run the task ``data`` describes (the trainer's ``/start_rollout`` payload).
 
@@ -169,6 +196,9 @@ async def run_rollouts(
     - ``prompt(row) -> messages`` builds the prompt from a data set row (default: its
       ``prompt`` field, a string or chat messages).
     - ``sink`` and ``llm`` replace the defaults (the buffer ``data`` names, the engine it names).
+
+    The run fails with ``MisconfiguredEngine`` (the engine's message) when the policy server
+    refuses requests as a misconfigured one does (a wrong model name, ``failfast.py``).
     """
     if (reward is None) == (group_reward is None):
         raise TypeError("run_rollouts takes exactly one of reward and group_reward")
@@ -183,20 +213,22 @@ async def run_rollouts(
         seed=settings.seed,
         shuffle=settings.shuffle,
         skip_instance_ids=settings.skip_instance_ids,
+        resume=ResumePoint.from_json(settings.resume) if settings.resume else None,
     )
     progress = Progress(settings.task_type, plan.total())
     own_sink = sink is None
     own_llm = llm is None
-    sink = sink or await open_sink(settings.remote_buffer_url, api_key=settings.buffer_api_key)
-    llm = llm or ChatClient(
-        settings.remote_engine_url,
-        model=settings.model,
-        api_key=settings.engine_api_key,
-        max_connections=settings.num_process,
-        timeout_s=settings.request_timeout_s,
-        retry=RetryPolicy(max_retry_s=settings.max_retry_s, max_attempts=settings.max_attempts),
-        continuation=ContinuePolicy(delay_s=settings.abort_retry_delay_s),
-    )
+    if llm is None:  # first: a token mode without its tokenizer fails before anything is opened
+        tokenizer = None
+        if settings.token_mode and settings.tokenizer_path:  # read from disk: not on the event loop
+            tokenizer = await asyncio.to_thread(load_tokenizer, settings.tokenizer_path)
+        llm = policy_client(settings, tokenizer=tokenizer)
+    try:
+        sink = sink or await open_sink(settings.remote_buffer_url, api_key=settings.buffer_api_key)
+    except BaseException:
+        if own_llm:
+            await llm.aclose()
+        raise
     run = _Run(
         settings, progress, sink, functools.partial(rollout, llm, **settings.sampling()), reward, group_reward
     )
@@ -219,6 +251,41 @@ async def run_rollouts(
     return progress
 
 
+def policy_client(
+    settings: RolloutSettings, *, tokenizer: Any = None, transport: httpx.AsyncBaseTransport | None = None
+) -> EngineClient:
+    """The client ``settings`` describe: the chat client, or in token mode the token client
+    with the served model's tokenizer (SGLang's ``/generate`` unless the engine is vLLM).
+    ``tokenizer`` is the one ``tokenizer_path`` names, if already loaded; ``transport``
+    replaces the HTTP transport (tests)."""
+    common: dict[str, Any] = {
+        "transport": transport,
+        "api_key": settings.engine_api_key,
+        "max_connections": settings.num_process,
+        "timeout_s": settings.request_timeout_s,
+        "retry": RetryPolicy(max_retry_s=settings.max_retry_s, max_attempts=settings.max_attempts),
+        "continuation": ContinuePolicy(
+            max_continuations=settings.max_continuations, delay_s=settings.abort_retry_delay_s
+        ),
+    }
+    if not settings.token_mode:
+        return ChatClient(
+            settings.remote_engine_url,
+            model=settings.model,
+            engine=settings.engine,
+            capture=settings.capture,
+            chat_template_kwargs=settings.chat_template_kwargs,
+            **common,
+        )
+    if not settings.tokenizer_path:
+        raise ValueError("token_mode needs tokenizer_path: the served model's tokenizer renders the prompts")
+    if tokenizer is None:
+        tokenizer = load_tokenizer(settings.tokenizer_path)
+    renderer = TokenRenderer(tokenizer, settings.chat_template_kwargs)
+    engine: TokenEngine = "vllm" if settings.engine == "vllm" else "sglang"
+    return TokenClient(settings.remote_engine_url, renderer, engine=engine, model=settings.model, **common)
+
+
 class _Run:
     def __init__(
         self,
@@ -237,10 +304,13 @@ class _Run:
         self.group_reward = _as_async(group_reward) if group_reward is not None else None
         self.sampling = settings.sampling()
         self.groups: dict[tuple[int, Any], list[tuple[Sample, Episode | BaseException]]] = {}
+        self.fail_fast = FailFast(settings.fail_fast_after)
+        self.fatal: MisconfiguredEngine | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
 
     async def all(self, plan: Plan) -> None:
         slots = asyncio.Semaphore(self.settings.num_process)
-        tasks: set[asyncio.Task[None]] = set()
+        tasks = self.tasks
 
         def finished(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
@@ -249,28 +319,52 @@ class _Run:
         try:
             for sample in plan:
                 await slots.acquire()
+                if self.fatal is not None:
+                    break
                 self.progress.started += 1
                 task = asyncio.create_task(self.one(sample))
                 tasks.add(task)
                 task.add_done_callback(finished)
             if tasks:
-                await asyncio.gather(*tasks)
+                outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+                if self.fatal is None:
+                    for outcome in outcomes:
+                        if isinstance(outcome, BaseException):
+                            raise outcome
         finally:
             for task in list(tasks):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+        if self.fatal is not None:
+            raise self.fatal
 
     async def one(self, sample: Sample) -> None:
         try:
             outcome: Episode | BaseException = await self.rollout(sample)
         except Exception as exc:  # retries are spent: the trajectory fails, the run goes on
             outcome = exc
-        if isinstance(outcome, Episode):
+        if isinstance(outcome, BaseException):
+            fatal = self.fail_fast.failed(outcome)
+            if fatal is not None or self.fatal is not None:
+                self._stop(fatal)
+                return  # the run fails: no failed trajectory is written for a misconfiguration
+        else:
+            self.fail_fast.succeeded()
             self.progress.record(outcome.completions)
         if self.group_reward is not None:
             await self._collect(sample, outcome)
         else:
             await self._score(sample, outcome)
+
+    def _stop(self, fatal: MisconfiguredEngine | None) -> None:
+        if self.fatal is not None or fatal is None:
+            return
+        self.fatal = fatal
+        logger.error("%s: stopping the run: %s", self.settings.task_type, fatal)
+        current = asyncio.current_task()
+        for task in list(self.tasks):
+            if task is not current:
+                task.cancel()
 
     async def _score(self, sample: Sample, outcome: Episode | BaseException) -> None:
         if isinstance(outcome, BaseException):
@@ -322,6 +416,8 @@ class _Run:
         self.progress.completed += 1
         if error is not None:
             self.progress.failed += 1
+        elif trajectory["extra_info"]["finish_reason"] == "abort":
+            self.progress.aborted += 1
 
     def _trajectory(
         self, sample: Sample, episode: Episode | None, reward: float | None, error: BaseException | None
@@ -348,13 +444,9 @@ class _Run:
             attempts=sum(c.attempts for c in completions),
             continuations=sum(c.continuations for c in completions),
         )
-        if any(c.token_ids for c in completions):
-            info["token_ids"] = [c.token_ids for c in completions]
-        if any(c.logprobs for c in completions):
-            info["logprobs"] = [c.logprobs for c in completions]
         if error is not None:
             info["error"] = f"{type(error).__name__}: {error}"
-        return {
+        trajectory: dict[str, Any] = {
             "uid": str(uuid.uuid4()),
             "instance_id": sample.instance_id,
             "messages": messages,
@@ -362,6 +454,12 @@ class _Run:
             "extra_info": info,
             "task_type": self.settings.task_type,
         }
+        if episode is not None and episode.tools:
+            trajectory["tools"] = episode.tools
+        turns = turn_records(messages, completions) if episode is not None else None
+        if turns is not None:
+            trajectory["turns"] = turns
+        return trajectory
 
 
 def _as_async(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:

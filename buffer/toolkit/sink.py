@@ -212,6 +212,12 @@ async def open_sink(remote_buffer_url: str | None, *, api_key: str | None = None
             return LocalSink(job.buffer)
     if remote_buffer_url is None:
         raise ValueError("remote_buffer_url is required outside the rollout buffer service")
+    if (
+        job is not None
+        and api_key is None
+        and not (job.policy and job.policy.may_send_api_key(remote_buffer_url))
+    ):
+        api_key = ""  # the service's own key (its environment's) never goes to a URL a client chose
     return HttpSink(remote_buffer_url, api_key=api_key)
 
 

@@ -3,6 +3,9 @@
 A ``Sample`` is one trajectory to produce: a prompt of the data set, one of its repeats in
 one epoch. A rollout turns it into an ``Episode``: the whole conversation and how it ended.
 A reward scores an episode; a group reward scores all the episodes of one prompt at once.
+
+A ``Completion`` may carry the tokens the engine received and sampled (``TokenCapture``): the
+runner writes them as the trajectory's ``turns``, so the trainer trains on exactly those ids.
 """
 
 from __future__ import annotations
@@ -12,6 +15,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 Message = dict[str, Any]
+
+
+@dataclass(slots=True)
+class TokenCapture:
+    """The token ids of one answer, as the engine reported them (after continuing any abort).
+
+    ``prompt_ids`` is the whole prompt the engine received; ``output_ids`` every id it sampled
+    and ``output_logprobs`` their sampling logprobs (``None`` when the engine gave none, else
+    one per id). ``weight_version`` is the engine's, where it reports one."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float] | None = None
+    weight_version: str | int | None = None
 
 
 @dataclass(slots=True)
@@ -25,15 +42,27 @@ class Completion:
     latency_s: float = 0.0
     attempts: int = 1  # HTTP requests made, retries and continuations included
     continuations: int = 0  # aborted answers continued
-    token_ids: list[int] | None = None
-    logprobs: list[float] | None = None
+    reasoning_content: str | None = None
+    tokens: TokenCapture | None = None
+    sampling: dict[str, Any] | None = None  # the request's sampling parameters
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        return self.tokens.output_ids if self.tokens else None
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self.tokens.output_logprobs if self.tokens else None
 
     def message(self) -> Message:
-        """The assistant message to append to the conversation."""
+        """The assistant message to append to the conversation, marked as generated."""
         message: Message = {"role": "assistant", "content": self.text}
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             message["tool_calls"] = self.tool_calls
             message["content"] = self.text or None
+        message["generated"] = True
         return message
 
 
@@ -56,6 +85,7 @@ class Episode:
     messages: list[Message]  # the whole conversation, prompt first
     finish_reason: str  # the last completion's: "stop", "length", "abort", "tool_calls"
     completions: list[Completion] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None  # the OpenAI tool schemas the model was given
 
     @property
     def response(self) -> str:
