@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from buffer import __version__
-from buffer.errors import RolloutBufferError
+from buffer.errors import InvalidInput, RolloutBufferError
 from buffer.history import History
 from buffer.job_policy import JobPolicy
 from buffer.jobs import JobManager
@@ -28,7 +28,13 @@ from buffer.registry import GeneratorRegistry
 from buffer.responses import envelope
 from buffer.rollout_buffer import RolloutBuffer
 from buffer.routes import dashboard, export, jobs, metrics, rollout, service, tail, trajectories, writes
-from buffer.security import ApiKeyMiddleware, BodySizeLimitMiddleware, required_key, warn_if_exposed
+from buffer.security import (
+    ApiKeyMiddleware,
+    BodySizeLimitMiddleware,
+    BrowserGuardMiddleware,
+    required_key,
+    warn_if_exposed,
+)
 from buffer.services import Services, local_url
 from buffer.settings import Settings
 from buffer.signals import ReadySignal
@@ -48,6 +54,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             hooks_for=registry.hooks_for,
             dedup_window=settings.dedup_window,
             max_buffered=settings.max_buffered_trajectories,
+            max_tasks=settings.max_tasks,
+            one_group_per_instance=settings.one_group_per_instance,
         )
         journal = None if settings.data_dir is None else await asyncio.to_thread(_restore, buffer, settings)
         ready = ReadySignal()
@@ -82,6 +90,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (rollout, trajectories, export, jobs, service, metrics, dashboard, tail):
         app.include_router(module.router)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BrowserGuardMiddleware, allowed_origins=settings.allowed_origins)
     if (key := required_key(settings)) is not None:  # no key: no middleware, no cost
         app.add_middleware(ApiKeyMiddleware, api_key=key)
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so a 401 or 413 has an id too
@@ -151,6 +160,8 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body", said plainly
+        return await _buffer_error(request, InvalidInput.one("body", "is nested too deeply to parse"))
     return envelope(False, str(exc.detail), status_code=exc.status_code, headers=dict(exc.headers or {}))
 
 

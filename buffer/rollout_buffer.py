@@ -13,21 +13,23 @@ code; ``snapshot`` writes the state out as records (``open``, ``ready``, ``aside
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import threading
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from buffer import encoding, export
-from buffer.errors import BufferFull, InvalidInput, StorageFailed
+from buffer.errors import BatchTooLarge, BufferFull, InvalidInput, StorageFailed, TooManyTasks
 from buffer.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE, Hooks
 from buffer.journal import Event, Journal, encode, refuse_non_finite
 from buffer.stats import RewardStats
-from buffer.task import InstanceId, ReadyGroup, Record, SetAsideGroup, TaskBuffer, TaskSettings
+from buffer.task import InstanceId, ReadyGroup, Record, SetAsideGroup, Tally, TaskBuffer, TaskSettings
 
 DEFAULT_TASK = "default"
 
@@ -60,11 +62,15 @@ class RolloutBuffer:
         dedup_window: int = 1_000_000,
         recent: int = 1000,
         max_buffered: int = 0,
+        max_tasks: int = 0,
+        one_group_per_instance: bool = True,
     ) -> None:
         """``hooks_for`` gives the hooks of a task first met through a write, or restored,
         by the name of its generator; ``dedup_window`` bounds how many uids of trajectories no
-        longer buffered are remembered; past ``max_buffered`` trajectories (0: no limit) a
-        write that would open a new group raises ``BufferFull``."""
+        longer buffered are remembered; a write that would take the trajectories held past
+        ``max_buffered`` (0: no limit) by opening groups raises ``BufferFull``; a write or a
+        start that would create a task past ``max_tasks`` (0: no limit) raises ``TooManyTasks``;
+        ``one_group_per_instance``: a read returns at most one group of each ``instance_id``."""
         self.default_settings = default_settings or TaskSettings()
         self._hooks_for = hooks_for or (lambda task_type: Hooks())
         self._clock = clock
@@ -74,6 +80,11 @@ class RolloutBuffer:
         self._current_task = DEFAULT_TASK
         self._journal: Journal | None = None
         self.max_buffered = max_buffered
+        self.max_tasks = max_tasks
+        self.one_group_per_instance = one_group_per_instance
+        self._held = Tally()  # trajectories held over all tasks, kept by the tasks themselves
+        #: Task names, the most recently written last: which tasks the dashboard follows.
+        self._activity: OrderedDict[str, None] = OrderedDict()
         self._seq = 0  # the order of ready groups across tasks
         self.reads = 0  # reads that returned groups: the export's read_id
         self.refused_full = 0  # writes refused with BufferFull
@@ -102,6 +113,8 @@ class RolloutBuffer:
         ``EVALUATION_SOURCE`` for ``EVALUATION_HOOKS``), for a restart to find them again.
         """
         with self._lock:
+            if task_type not in self._tasks:
+                self._check_task_room("task_type", task_type)
             self._configure(task_type, settings, hooks, hooks_source, current=True)
 
     def _configure(
@@ -119,6 +132,7 @@ class RolloutBuffer:
                 sequence=self._next_seq,
                 on_ready=self._notify,
                 log=self._journal.append if self._journal else None,
+                tally=self._held,
             )
         else:
             task.reconfigure(settings, hooks, hooks_source)
@@ -159,6 +173,17 @@ class RolloutBuffer:
                 task_type, self.default_settings, self._hooks_for(task_type), None, current=False
             )
         return task
+
+    def _check_task_room(self, field: str, task_type: str) -> None:
+        """Refuse a new task past ``max_tasks``: each task is kept for good (its counters, its
+        dashboard history, its metrics), so task names a client makes up must not grow them."""
+        if self.max_tasks and len(self._tasks) >= self.max_tasks:
+            raise TooManyTasks(field, task_type, self.max_tasks)
+
+    def active_tasks(self, limit: int) -> list[str]:
+        """The ``limit`` tasks written to most recently, the most recent first."""
+        with self._lock:
+            return list(itertools.islice(reversed(self._activity), limit))
 
     # -- writes ------------------------------------------------------------------------
 
@@ -204,10 +229,15 @@ class RolloutBuffer:
                 results.append(WriteResult(record.uid, task.task_type, duplicate=False))
             for task in touched:
                 task.expire(now)
+                self._activity[task.task_type] = None
+                self._activity.move_to_end(task.task_type)
             return results
 
     def _prepare(self, prefix: str, item: Mapping[str, Any]) -> tuple[TaskBuffer, InstanceId, Record]:
-        task = self._task(item.get("task_type") or self._current_task)
+        task_type = item.get("task_type") or self._current_task
+        if task_type not in self._tasks:  # checked here, not in _task: a restore creates what it finds
+            self._check_task_room(prefix + "task_type", task_type)
+        task = self._task(task_type)
         reward = item["reward"]
         if isinstance(reward, dict):
             scalar = _scalar_reward(prefix + "reward", reward, task.settings.reward_key)
@@ -231,21 +261,40 @@ class RolloutBuffer:
         return task, item["instance_id"], Record(uid, float(reward), raw)
 
     def _check_room(self, prepared: list[tuple[TaskBuffer, InstanceId, Record]]) -> None:
-        buffered = self.buffered_items()
-        if buffered < self.max_buffered:
+        """Refuse, whole, a write whose trajectories beyond what the open groups lack would take
+        the buffer past ``max_buffered``. What fills a group already open is always taken, so
+        groups can finish while the trainer catches up; a batch is taken all or none, as its
+        validation is. O(1) when it fits anyway, else O(batch)."""
+        held = self._held.items
+        if held + len(prepared) <= self.max_buffered:
             return
-        opens_group = any(
-            instance_id not in task.open and record.uid not in self._uids
-            for task, instance_id, record in prepared
-        )
-        if opens_group:
+        lacking: dict[tuple[str, InstanceId], int] = {}
+        uids: set[str] = set()
+        adding = 0
+        for task, instance_id, record in prepared:
+            if record.uid in self._uids or record.uid in uids:
+                continue  # a duplicate adds nothing
+            uids.add(record.uid)
+            key = (task.task_type, instance_id)
+            left = lacking.get(key)
+            if left is None:
+                group = task.open.get(instance_id)
+                left = group.size - len(group.records) if group is not None else 0
+            if left > 0:
+                lacking[key] = left - 1
+            else:
+                lacking[key] = 0
+                adding += 1
+        if adding > self.max_buffered:
             self.refused_full += 1
-            raise BufferFull(buffered, self.max_buffered)
+            raise BatchTooLarge(adding, self.max_buffered)
+        if adding and held + adding > self.max_buffered:
+            self.refused_full += 1
+            raise BufferFull(held, self.max_buffered, adding)
 
     def buffered_items(self) -> int:
         """Trajectories held: in open groups and in ready ones."""
-        with self._lock:
-            return sum(task.pending_items + task.ready_items for task in self._tasks.values())
+        return self._held.items
 
     def _remember(self, uid: str) -> None:
         self._uids.add(uid)
@@ -257,7 +306,9 @@ class RolloutBuffer:
 
     def read(self, task_type: str | None = None, max_items: int | None = None) -> ReadResult:
         """Take ready groups, oldest first, whole: as many as fit in ``max_items`` (all when
-        ``None``) but at least one. A read that returns groups starts a new statistics window;
+        ``None``) but at least one. With ``one_group_per_instance``, a later group of an
+        instance already taken stays for the next read (slime's trainer merges one read's
+        groups by ``instance_id``). A read that returns groups starts a new statistics window;
         one that returns none reports the statistics so far and keeps them."""
         with self._lock:
             journal = self._journal
@@ -265,18 +316,14 @@ class RolloutBuffer:
                 raise StorageFailed(journal.failing)  # nothing is taken that could not be kept
             tasks = self._covered(task_type)
             self._expire(tasks)
-            groups: list[ReadyGroup] = []
-            taken = 0
-            while True:
-                heads = [task for task in tasks if task.ready]
-                if not heads:
-                    break
-                task = min(heads, key=lambda t: t.ready[0].seq)
-                size = len(task.ready[0].items)
-                if groups and max_items is not None and taken + size > max_items:
-                    break
-                groups.append(task.pop_ready())
-                taken += size
+            chosen = self._choose(tasks, max_items)
+            by_task: dict[str, list[int]] = {}
+            for group in chosen:
+                by_task.setdefault(group.task_type, []).append(group.seq)
+            for name, seqs in by_task.items():
+                self._tasks[name].take_ready(seqs)
+            groups = chosen
+            taken = sum(len(group.items) for group in groups)
             meta = self._meta_info(tasks)
             if not groups:
                 meta["finished_groups"] = []
@@ -296,7 +343,13 @@ class RolloutBuffer:
             self.reads += 1
             if journal is not None:
                 wall = self._wall_clock()
-                header = {"e": "read", "t": task_type, "seqs": [group.seq for group in groups]}
+                header: dict[str, Any] = {
+                    "e": "read",
+                    "t": task_type,
+                    "seqs": [group.seq for group in groups],
+                }
+                if task_type is None:  # which task each group came from: a read may pass groups over
+                    header["ts"] = [group.task_type for group in groups]
                 read_id = self.reads
                 journal.read(
                     encode({**header, "at": wall, "id": read_id}),
@@ -312,12 +365,15 @@ class RolloutBuffer:
         popped = Counter(group.task_type for group in groups)
         for window in windows:
             window.reopen(popped[window.task.task_type])
-        for group in reversed(groups):
-            task = self._tasks[group.task_type]
-            task.ready.appendleft(group)
-            task.ready_items += len(group.items)
-            task.delivered_items -= len(group.items)
-            task.delivered_groups -= 1
+        for name in popped:
+            task = self._tasks[name]
+            back = [group for group in groups if group.task_type == name]
+            # in their places again: a read may have passed groups over, so not all at the head
+            task.ready = deque(heapq.merge(task.ready, back, key=lambda group: group.seq))
+            for group in back:
+                task.ready_items += len(group.items)
+                task.delivered_items -= len(group.items)
+                task.delivered_groups -= 1
         self.total_read -= taken
         self.reads -= 1
 
@@ -326,15 +382,36 @@ class RolloutBuffer:
         with self._lock:
             tasks = self._covered(task_type)
             self._expire(tasks)
-            ready = sorted((group for task in tasks for group in task.ready), key=lambda g: g.seq)
-            chosen: list[ReadyGroup] = []
-            taken = 0
-            for group in ready:
-                if chosen and max_items is not None and taken + len(group.items) > max_items:
+            return self._choose(tasks, max_items)
+
+    def _choose(self, tasks: list[TaskBuffer], max_items: int | None) -> list[ReadyGroup]:
+        """The groups a read takes, oldest first across ``tasks``, merged through a heap of
+        each task's next group: O(groups looked at x log tasks), nothing moved. The groups
+        looked at are those returned, and the later groups of their instances passed over."""
+        iterators = [iter(task.ready) for task in tasks if task.ready]
+        heap: list[tuple[int, int, ReadyGroup]] = []
+        for index, iterator in enumerate(iterators):
+            head = next(iterator)
+            heap.append((head.seq, index, head))
+        heapq.heapify(heap)
+        chosen: list[ReadyGroup] = []
+        instances: set[InstanceId] = set()
+        taken = 0
+        while heap and (max_items is None or taken < max_items):
+            _, index, group = heap[0]
+            if not (self.one_group_per_instance and group.instance_id in instances):
+                size = len(group.items)
+                if chosen and max_items is not None and taken + size > max_items:
                     break
                 chosen.append(group)
-                taken += len(group.items)
-            return chosen
+                instances.add(group.instance_id)
+                taken += size
+            following = next(iterators[index], None)
+            if following is None:
+                heapq.heappop(heap)
+            else:
+                heapq.heapreplace(heap, (following.seq, index, following))
+        return chosen
 
     def ready_items(self, task_type: str | None = None) -> int:
         with self._lock:
@@ -399,6 +476,20 @@ class RolloutBuffer:
                 "refused_full": self.refused_full,
                 "journal": self._journal.counters() if self._journal else None,
                 "tasks": tasks,
+            }
+
+    def summary(self, task_types: Iterable[str]) -> dict[str, Any]:
+        """Totals over every task, and the counters of ``task_types`` only: what the dashboard's
+        history keeps each second, at O(tasks) attribute reads rather than a dict per task."""
+        with self._lock:
+            tasks = self._tasks.values()
+            return {
+                "total_written": sum(task.written for task in tasks),
+                "total_read": self.total_read,
+                "pending_groups": sum(len(task.open) for task in tasks),
+                "ready_groups": sum(len(task.ready) for task in tasks),
+                "delivered_groups": sum(task.delivered_groups for task in tasks),
+                "tasks": {name: self._tasks[name].counters() for name in task_types if name in self._tasks},
             }
 
     # -- generator jobs ----------------------------------------------------------------
@@ -501,9 +592,18 @@ class RolloutBuffer:
             pass
         elif kind == "read":
             tasks = self._covered(header["t"])
-            for seq in header["seqs"]:
-                task = next(task for task in tasks if task.ready and task.ready[0].seq == seq)
-                self.total_read += len(task.pop_ready().items)
+            if header["t"] is None and "ts" not in header:
+                # Recorded before a read could pass groups over: each group it took was a head.
+                for seq in header["seqs"]:
+                    task = next(task for task in tasks if task.ready and task.ready[0].seq == seq)
+                    self.total_read += len(task.take_ready([seq])[0].items)
+            else:
+                names = header.get("ts") or [header["t"]] * len(header["seqs"])
+                by_task: dict[str, list[int]] = {}
+                for name, seq in zip(names, header["seqs"], strict=True):
+                    by_task.setdefault(name, []).append(seq)
+                for name, seqs in by_task.items():
+                    self.total_read += sum(len(group.items) for group in self._tasks[name].take_ready(seqs))
             for task in tasks:
                 task.reset_window()
             self.reads = header["id"]

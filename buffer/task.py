@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
@@ -82,6 +82,14 @@ class SetAsideGroup:
     items: list[bytes]
 
 
+@dataclass(slots=True)
+class Tally:
+    """Trajectories held by every task together (open groups and ready ones), kept as each
+    task's counts change, so the buffer's limit costs O(1) on each write, whatever the tasks."""
+
+    items: int = 0
+
+
 class TaskBuffer:
     """The groups of one task type. Not thread-safe: ``RolloutBuffer`` serialises access."""
 
@@ -96,10 +104,15 @@ class TaskBuffer:
         on_ready: Callable[[], None],
         log: Callable[[bytes], None] | None = None,
         keep_set_aside: int = 100,
+        tally: Tally | None = None,
     ) -> None:
         """``hooks_source`` names where the hooks came from, for a restart to find them again;
-        ``log`` receives a journal record for every group that finishes."""
+        ``log`` receives a journal record for every group that finishes; ``tally`` follows
+        ``pending_items + ready_items``, shared by the buffer's tasks."""
         self.task_type = task_type
+        self.tally = tally or Tally()
+        self._pending_items = 0
+        self._ready_items = 0
         self.reconfigure(settings, hooks, hooks_source)
         self._sequence = sequence
         self._on_ready = on_ready
@@ -125,6 +138,26 @@ class TaskBuffer:
         self.window_records: list[tuple[InstanceId, Record]] = []
         self.finished_instance_ids: list[InstanceId] = []
         self.window_discarded: Counter[str] = Counter()
+
+    @property
+    def pending_items(self) -> int:
+        """Trajectories in open groups."""
+        return self._pending_items
+
+    @pending_items.setter
+    def pending_items(self, value: int) -> None:
+        self.tally.items += value - self._pending_items
+        self._pending_items = value
+
+    @property
+    def ready_items(self) -> int:
+        """Trajectories in finished groups waiting to be read."""
+        return self._ready_items
+
+    @ready_items.setter
+    def ready_items(self, value: int) -> None:
+        self.tally.items += value - self._ready_items
+        self._ready_items = value
 
     def reconfigure(self, settings: TaskSettings, hooks: Hooks, hooks_source: str | None = None) -> None:
         """New settings apply to groups opened from now on; open groups keep their size."""
@@ -351,12 +384,30 @@ class TaskBuffer:
             raise ValueError(f"not a task snapshot record: {kind!r}")
 
     def pop_ready(self) -> ReadyGroup:
-        group = self.ready.popleft()
-        self.ready_items -= len(group.items)
-        self.delivered_items += len(group.items)
-        self.delivered_groups += 1
-        self.finished_instance_ids.append(group.instance_id)
-        return group
+        """Take the oldest ready group."""
+        return self.take_ready([self.ready[0].seq])[0]
+
+    def take_ready(self, seqs: Collection[int]) -> list[ReadyGroup]:
+        """Take the ready groups numbered ``seqs`` (a read's choice), oldest first; the groups
+        before them that the read passed over keep their places at the front. O(groups up to
+        the last one taken)."""
+        wanted = set(seqs)
+        taken: list[ReadyGroup] = []
+        passed: list[ReadyGroup] = []
+        while wanted:
+            group = self.ready.popleft()
+            if group.seq in wanted:
+                wanted.discard(group.seq)
+                taken.append(group)
+            else:
+                passed.append(group)
+        self.ready.extendleft(reversed(passed))
+        for group in taken:
+            self.ready_items -= len(group.items)
+            self.delivered_items += len(group.items)
+            self.delivered_groups += 1
+            self.finished_instance_ids.append(group.instance_id)
+        return taken
 
     def window_meta_info(self) -> dict[str, Any]:
         """Statistics since the last successful read, by the task's meta hook if it has one."""

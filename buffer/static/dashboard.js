@@ -166,7 +166,8 @@ function rates(history) {
 }
 
 function summed(history, field) {
-  return history.map((s) => [s.t, Object.values(s.tasks || {}).reduce((sum, task) => sum + (task[field] || 0), 0)]);
+  // Samples carry totals over every task; each sample's tasks are only the most active ones.
+  return history.map((s) => [s.t, field in s ? s[field] : Object.values(s.tasks || {}).reduce((sum, task) => sum + (task[field] || 0), 0)]);
 }
 
 function rewardSeries(history) {
