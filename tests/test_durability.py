@@ -381,7 +381,7 @@ def test_an_infinite_float_never_reaches_the_data_folder(generator_dir: Path, tm
 
 def test_an_infinite_export_retention_stops_the_start_up(generator_dir: Path, tmp_path: Path) -> None:
     with (
-        pytest.raises(ValueError, match="finite number of seconds"),
+        pytest.raises(ValueError, match="finite"),  # by the settings, or else by the journal
         service(generator_dir, tmp_path / "data", export_retention_hours=float("inf")),
     ):
         pass

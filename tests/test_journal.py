@@ -596,3 +596,20 @@ def test_a_folder_of_the_former_journal_is_migrated_once(
     third = open_service()  # once
     assert state(third.buffer) == before
     assert b"".join(export.read(third.journal.database)) == lines
+
+
+def test_a_read_taken_back_returns_its_groups_to_their_places(
+    open_service: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, fast_retry: None
+) -> None:
+    service = open_service()
+    for name in ("q1", "q1", "q2"):  # a second group of q1: the read passes it over
+        service.buffer.write_many(group(name, [0, 1, 0, 1]))
+    service.journal.wait_durable_blocking(5)
+    queue = service.buffer._tasks["default"].ready
+    before = [(g.instance_id, g.seq) for g in queue]
+    FailingCommits(monkeypatch, OSError(28, "No space left on device"))
+    assert [g.instance_id for g in service.buffer.read().groups] == ["q1", "q2"]
+    with pytest.raises(StorageFailed):
+        service.journal.wait_durable_blocking(5)
+    assert [(g.instance_id, g.seq) for g in service.buffer._tasks["default"].ready] == before
+    assert service.buffer.buffered_items() == 12
