@@ -7,14 +7,14 @@
 #   SGLANG_MODEL_PATH=/models/Qwen3-4B bash rollout_buffer_example.sh   # needs '.[sglang]'
 #   STEPS=2 bash rollout_buffer_example.sh --help       # every option
 #
-# On a fresh machine it first makes .venv and installs the project into it (no torch).
+# On a fresh machine it first makes .venv and installs the project with its 'sim' extra (no torch).
 set -euo pipefail
 cd "$(dirname "$0")"
 
 PYTHON="${PYTHON:-.venv/bin/python}"
 if [ ! -x "$PYTHON" ]; then
     python3 -m venv .venv
-    .venv/bin/pip install --quiet -e .
+    .venv/bin/pip install --quiet -e '.[sim]'  # the simulated policy server's tokenizer
     PYTHON=.venv/bin/python
 fi
 exec "$PYTHON" -m buffer.demo "$@"
