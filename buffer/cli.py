@@ -4,6 +4,7 @@
                                        do the same: slime's users start it so)
     rollout-buffer status              a running buffer's tasks, jobs and rates, once
     rollout-buffer tail                follow the trajectories as they are written
+    rollout-buffer check DIR [--repair] check a data folder, and salvage what can be read
 
 Each subcommand is one ``Command`` in ``COMMANDS``: its flags are added by one function and it is
 run by another, so a new one is one entry. The service's flags are made from ``Settings`` itself:
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import signal
@@ -112,6 +114,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_line}
         if annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(annotation) is list:  # repeat the flag, or give a JSON list
+            kwargs["action"] = "append"
+            kwargs["type"] = _list_entries
+            (item,) = typing.get_args(annotation)
+            kwargs["metavar"] = _metavar(name.removesuffix("s"), item)
         elif typing.get_origin(annotation) is typing.Literal:
             kwargs["choices"] = [str(choice) for choice in typing.get_args(annotation)]
         else:
@@ -125,6 +132,19 @@ def _without_none(annotation: Any) -> Any:
         if len(members) == 1:
             return members[0]
     return annotation
+
+
+def _list_entries(value: str) -> list[str]:
+    """One use of a list flag: a JSON list (as its variable takes), or one entry."""
+    if value.lstrip().startswith("["):
+        try:
+            entries = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(entries, list) or not all(isinstance(entry, str) for entry in entries):
+            raise argparse.ArgumentTypeError("a JSON list of strings is expected")
+        return entries
+    return [value]
 
 
 def _metavar(name: str, annotation: Any) -> str:
@@ -145,6 +165,9 @@ def settings_from(namespace: argparse.Namespace) -> Settings:
     """The flags given, over the ``ROLLOUT_BUFFER_*`` variables, over the defaults; one line per
     bad value on stderr and exit status 2."""
     given = {name: value for name, value in vars(namespace).items() if name in Settings.model_fields}
+    for name, value in given.items():
+        if isinstance(value, list):  # an appended flag: one list of the entries of each use
+            given[name] = [entry for entries in value for entry in entries]
     try:
         return Settings(**given)
     except ValidationError as exc:
@@ -247,6 +270,19 @@ def _run_console(namespace: argparse.Namespace) -> int:
     return console.run(namespace)
 
 
+def _add_check_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("data_dir", metavar="DIR", type=Path, help="the service's --data-dir")
+    parser.add_argument(
+        "--repair", action="store_true", help="rebuild the folder from what can be read; say what was dropped"
+    )
+
+
+def _run_check(namespace: argparse.Namespace) -> int:
+    from buffer import datacheck
+
+    return datacheck.run(namespace.data_dir, repair=namespace.repair)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command("serve", "run the rollout buffer service (the default)", add_serve_arguments, serve),
     Command(
@@ -256,4 +292,5 @@ COMMANDS: tuple[Command, ...] = (
         _run_console,
     ),
     Command("tail", "follow the trajectories a running buffer receives", _add_tail_arguments, _run_console),
+    Command("check", "check a data folder, and with --repair salvage it", _add_check_arguments, _run_check),
 )

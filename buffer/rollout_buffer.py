@@ -21,13 +21,13 @@ import time
 import uuid
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from buffer import encoding, export
 from buffer.errors import BatchTooLarge, BufferFull, InvalidInput, StorageFailed, TooManyTasks
 from buffer.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE, Hooks
-from buffer.journal import Event, Journal, encode
+from buffer.journal import Event, Journal, encode, refuse_non_finite
 from buffer.stats import RewardStats
 from buffer.task import InstanceId, ReadyGroup, Record, SetAsideGroup, Tally, TaskBuffer, TaskSettings
 
@@ -120,6 +120,8 @@ class RolloutBuffer:
     def _configure(
         self, task_type: str, settings: TaskSettings, hooks: Hooks, hooks_source: str | None, *, current: bool
     ) -> TaskBuffer:
+        if self._journal is not None:  # before anything changes: the record must be storable
+            refuse_non_finite(asdict(settings), "settings")
         task = self._tasks.get(task_type)
         if task is None:
             task = self._tasks[task_type] = TaskBuffer(
@@ -309,6 +311,9 @@ class RolloutBuffer:
         groups by ``instance_id``). A read that returns groups starts a new statistics window;
         one that returns none reports the statistics so far and keeps them."""
         with self._lock:
+            journal = self._journal
+            if journal is not None and journal.failing is not None:
+                raise StorageFailed(journal.failing)  # nothing is taken that could not be kept
             tasks = self._covered(task_type)
             self._expire(tasks)
             chosen = self._choose(tasks, max_items)
@@ -326,6 +331,7 @@ class RolloutBuffer:
                 return ReadResult([], meta)
             finished: list[InstanceId] = []
             discarded: Counter[str] = Counter()
+            windows = [_Window.of(task) for task in tasks] if journal is not None else []
             for task in tasks:
                 task_finished, task_discarded = task.reset_window()
                 finished.extend(task_finished)
@@ -338,7 +344,7 @@ class RolloutBuffer:
                 self._tasks[group.task_type].record_served(group, served_at)
             self.total_read += taken
             self.reads += 1
-            if self._journal is not None:
+            if journal is not None:
                 wall = self._wall_clock()
                 header: dict[str, Any] = {
                     "e": "read",
@@ -347,10 +353,32 @@ class RolloutBuffer:
                 }
                 if task_type is None:  # which task each group came from: a read may pass groups over
                     header["ts"] = [group.task_type for group in groups]
-                self._journal.append(encode({**header, "at": wall, "id": self.reads}))
                 read_id = self.reads
-                self._journal.deliver(wall, lambda: export.lines(groups, wall, read_id))
+                journal.read(
+                    encode({**header, "at": wall, "id": read_id}),
+                    lambda: export.rows(groups, wall, read_id),
+                    lambda: self._unread(groups, taken, windows),
+                )
             return ReadResult(groups, meta)
+
+    def _unread(self, groups: list[ReadyGroup], taken: int, windows: list[_Window]) -> None:
+        """Give back the groups of a read the journal could not commit (under the lock, newest
+        read first): they go back to the head of their tasks, never counted as delivered, and
+        the statistics windows it closed are open again: the state a restart would replay."""
+        popped = Counter(group.task_type for group in groups)
+        for window in windows:
+            window.reopen(popped[window.task.task_type])
+        for name in popped:
+            task = self._tasks[name]
+            back = [group for group in groups if group.task_type == name]
+            # in their places again: a read may have passed groups over, so not all at the head
+            task.ready = deque(heapq.merge(task.ready, back, key=lambda group: group.seq))
+            for group in back:
+                task.ready_items += len(group.items)
+                task.delivered_items -= len(group.items)
+                task.delivered_groups -= 1
+        self.total_read -= taken
+        self.reads -= 1
 
     def peek(self, task_type: str | None = None, max_items: int | None = None) -> list[ReadyGroup]:
         """The groups a read would return, left in place."""
@@ -563,6 +591,8 @@ class RolloutBuffer:
             self._seq = max(self._seq, header.get("seq", -1) + 1)
         elif kind == "dup":
             self.duplicates += 1
+        elif kind == "nop":  # a read the journal took back, a compaction
+            pass
         elif kind == "read":
             tasks = self._covered(header["t"])
             if header["t"] is None and "ts" not in header:
@@ -618,7 +648,7 @@ class RolloutBuffer:
         Finishes the groups a restore left full but open."""
         with self._lock:
             self._journal = journal
-            journal.start(self.snapshot)
+            journal.start(self.snapshot, lock=self._lock)
             for task in self._tasks.values():
                 task.log = journal.append
                 task.finish_full()
@@ -639,11 +669,11 @@ class RolloutBuffer:
         return {**spec, "finished": list(map(list, finished.items())) if finished is not None else None}
 
     def snapshot(self) -> tuple[int, Iterator[bytes]]:
-        """Start a new journal segment and the records of the state as of its start: the
-        references are copied under the lock, the encoding happens as they are read."""
+        """The journal's position and the records of the state as of it: the references are
+        copied under the lock, the encoding happens as they are read."""
         assert self._journal is not None
         with self._lock:
-            segment = self._journal.rotate()
+            position = self._journal.position()
             offset = self._wall_clock() - self._clock()
             tasks = [task.snapshot(lambda monotonic: monotonic + offset) for task in self._tasks.values()]
             state = {
@@ -664,7 +694,36 @@ class RolloutBuffer:
                 yield from task()
             yield encode(state)
 
-        return segment, records()
+        return position, records()
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """A task's statistics window as a read closes it, to reopen if the read is taken back."""
+
+    task: TaskBuffer
+    stats: RewardStats
+    instances: set[InstanceId]
+    records: list[tuple[InstanceId, Record]]
+    finished: list[InstanceId]
+    discarded: Counter[str]
+
+    @classmethod
+    def of(cls, task: TaskBuffer) -> _Window:
+        return cls(
+            task, task.window, task.window_instances, task.window_records,
+            task.finished_instance_ids, task.window_discarded,
+        )  # fmt: skip
+
+    def reopen(self, popped: int) -> None:
+        """Merge it back in front of what the task gathered since; ``popped``: groups the
+        read took from this task, whose ids its pops added to ``finished``."""
+        task = self.task
+        task.window = self.stats.merge(task.window)
+        task.window_instances = self.instances | task.window_instances
+        task.window_records = self.records + task.window_records
+        task.finished_instance_ids = self.finished[: len(self.finished) - popped] + task.finished_instance_ids
+        task.window_discarded = self.discarded + task.window_discarded
 
 
 _DUPLICATE = encode({"e": "dup"})

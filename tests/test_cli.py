@@ -100,6 +100,18 @@ def test_flags_win_over_variables_and_booleans_have_a_negative(monkeypatch: pyte
     assert settings.data_dir == Path("/tmp/x")
 
 
+def test_a_list_option_is_repeated_or_given_as_a_json_list() -> None:
+    def settings(*args: str) -> cli.Settings:
+        return cli.settings_from(cli.parser().parse_args(["serve", *args]))
+
+    repeated = settings("--input-roots", "/data/a", "--input-roots", "/data/b")
+    assert repeated.input_roots == [Path("/data/a"), Path("/data/b")]
+    as_json = settings("--input-roots", '["/data/a", "/data/b"]', "--allowed-origins", "https://x.test")
+    assert as_json.input_roots == repeated.input_roots
+    assert as_json.allowed_origins == ["https://x.test"]
+    assert settings().input_roots is None  # not given: the default roots
+
+
 def test_status_has_its_own_flags(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_main(["status", "--help"], capsys)
     assert code == 0

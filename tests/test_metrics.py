@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from buffer.toolkit.runner import Progress
-from buffer.toolkit.types import Completion
+from buffer.toolkit.types import Completion, TokenCapture
 from tests.calls import WAITING, job_status, read, wait_for, write_all
 from tests.factories import group, write_generator
 
@@ -145,7 +145,8 @@ def test_progress_counts_requests_retries_and_latency_buckets() -> None:
 def test_progress_counts_finish_reasons_and_answer_lengths() -> None:
     progress = Progress("t", total=3)
     progress.record([Completion("a", "stop", usage={"completion_tokens": 7})])
-    progress.record([Completion("b", "length", token_ids=[1, 2, 3])])  # no usage: the ids count
+    # No usage: the ids count.
+    progress.record([Completion("b", "length", tokens=TokenCapture([9], [1, 2, 3]))])
     progress.record([Completion("c", "length")])  # no length known: not in the mean
     snapshot = progress.snapshot()
     assert snapshot["finish_reasons"] == {"stop": 1, "length": 2}
