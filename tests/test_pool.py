@@ -9,10 +9,11 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from aiohttp import web
 
@@ -256,3 +257,37 @@ async def test_with_no_engine_healthy_requests_still_go_out() -> None:
     second = pool.pick("k")
     assert first is second  # the group still sticks
     await pool.aclose()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_start_rollout_with_a_list_of_engines_runs_the_job_over_all_of_them(
+    process: Callable[..., str], tmp_path: Path
+) -> None:
+    sim = [
+        "-m",
+        "buffer.simulator",
+        "--latency-mean-s",
+        "0.02",
+        "--accuracy",
+        "1.0",
+        "--log-level",
+        "warning",
+    ]
+    urls = [process(*sim, "--seed", str(seed), name=f"simulator{seed}") for seed in range(2)]
+    buffer_url = process("buffer.py", "--log-level", "warning", "--input-roots", str(tmp_path), name="buffer")
+    with httpx.Client(base_url=buffer_url, timeout=30, trust_env=False) as client:
+        started = client.post(
+            "/start_rollout",
+            json={**payload(tmp_path, urls, instances=20), "task_type": "math", "num_process": "16"},
+        )
+        assert started.status_code == 200, started.text
+        deadline = time.monotonic() + 60
+        while (job := client.get(f"/jobs/{started.json()['job_id']}").json()["data"])["status"] == "running":
+            assert time.monotonic() < deadline, job
+            time.sleep(0.1)
+    assert job["status"] == "succeeded", job
+    assert job["progress"]["completed"] == 80
+    served = [httpx.get(f"{url}/stats", trust_env=False).json()["requests"] for url in urls]
+    assert sum(served) >= 80
+    assert min(served) >= 30, served  # both engines took their share
