@@ -17,7 +17,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from buffer.toolkit.llm import ChatClient, ContinuePolicy, RetryPolicy
+from buffer.toolkit.llm import ChatClient, ContinuePolicy, LLMError, RetryPolicy
 from buffer.toolkit.pool import EnginePool, group_key, routing_key
 from buffer.toolkit.runner import run_rollouts
 from buffer.toolkit.tito import TokenClient
@@ -291,3 +291,14 @@ def test_start_rollout_with_a_list_of_engines_runs_the_job_over_all_of_them(
     served = [httpx.get(f"{url}/stats", trust_env=False).json()["requests"] for url in urls]
     assert sum(served) >= 80
     assert min(served) >= 30, served  # both engines took their share
+
+
+async def test_max_attempts_bounds_the_moves_to_other_engines_too(engines: list[StandInEngine]) -> None:
+    for engine in engines:
+        await engine.stop()
+    async with ChatClient(
+        [e.url for e in engines], retry=RetryPolicy(max_attempts=2, backoff_s=0.001)
+    ) as llm:
+        with pytest.raises(LLMError, match="failed 2 times"):
+            await llm.complete([{"role": "user", "content": "hi"}])
+    assert llm.stats.requests == 2

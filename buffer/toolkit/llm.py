@@ -187,7 +187,7 @@ class EngineClient:
         else:
             self._transport = transport
         self._health_interval_s = health_interval_s
-        self.pool = EnginePool(["http://unset"], self._transport)
+        self.pool = EnginePool(["http://unset"], self._transport)  # the subclass's _engines() sets it
         self._urls: list[str] = []
 
     def _engines(self, base_url: str | Sequence[str], request_url: Callable[[str], str]) -> None:
@@ -268,7 +268,12 @@ class EngineClient:
                 reply = await self._transport.post(self._urls[engine.index], content, headers)
             except Unreachable as exc:
                 self.stats.failed(exc.kind)
-                if exc.kind != "ReadTimeout" and self.pool.failed(engine, exc):
+                limit = self.retry.max_attempts
+                if (
+                    exc.kind != "ReadTimeout"  # a slow engine is not a dead one
+                    and self.pool.failed(engine, exc)
+                    and (limit is None or sent[0] < limit)
+                ):
                     continue
                 raise
             finally:

@@ -42,6 +42,7 @@ from buffer.toolkit.pool import group_key, routing_key
 from buffer.toolkit.records import turn_records
 from buffer.toolkit.sink import RejectedTrajectory, TrajectorySink, open_sink
 from buffer.toolkit.tito import TokenClient, TokenEngine, TokenRenderer, load_tokenizer
+from buffer.toolkit.transport import Transport
 from buffer.toolkit.types import Completion, Episode, GroupRewardFn, Message, RewardFn, Sample
 from default_func import FAILURE_REWARD
 
@@ -255,7 +256,10 @@ async def run_rollouts(
 
 
 def policy_client(
-    settings: RolloutSettings, *, tokenizer: Any = None, transport: httpx.AsyncBaseTransport | None = None
+    settings: RolloutSettings,
+    *,
+    tokenizer: Any = None,
+    transport: httpx.AsyncBaseTransport | Transport | None = None,
 ) -> EngineClient:
     """The client ``settings`` describe: the chat client, or in token mode the token client
     with the served model's tokenizer (SGLang's ``/generate`` unless the engine is vLLM).
