@@ -7,7 +7,7 @@
 #   PYTHON=3.12 bash .ci/lowest_versions.sh
 #
 # Last run (Python 3.11, uv 0.13.9): fastapi 0.115.0, uvicorn 0.29.0, httpx 0.27.0,
-# httpx-aiohttp 0.1.8, pydantic 2.7.0, pydantic-settings 2.7.0, orjson 3.9.0,
+# aiohttp 3.10 (not yet re-run), pydantic 2.7.0, pydantic-settings 2.7.0, orjson 3.9.0,
 # typing-extensions 4.8.0, tenacity 8.3.0, math-verify 0.7.0, prometheus-client 0.20.0:
 # both generators load, 136 tests pass. The bounds it moved: tenacity 8.2 -> 8.3
 # (stop_before_delay: every generator failed to import), fastapi 0.110 -> 0.115 (Starlette
@@ -28,7 +28,7 @@ rm -rf "$VENV"
 "$UV" venv --quiet --python "$PYTHON" "$VENV"
 "$UV" pip install --python "$VENV/bin/python" --resolution lowest-direct -e .
 echo "--- installed at the lowest allowed versions:"
-"$UV" pip freeze --python "$VENV/bin/python" | grep -iE '^(fastapi|uvicorn|httpx|httpx-aiohttp|pydantic|pydantic-settings|orjson|typing-extensions|tenacity|math-verify|prometheus-client)=='
+"$UV" pip freeze --python "$VENV/bin/python" | grep -iE '^(fastapi|uvicorn|httpx|aiohttp|pydantic|pydantic-settings|orjson|typing-extensions|tenacity|math-verify|prometheus-client)=='
 # The test runner on top, at current versions, without moving anything already installed.
 "$UV" pip install --python "$VENV/bin/python" "pytest>=8,<9" pytest-timeout respx  # anyio 3 (httpx 0.27's lowest) predates pytest 9
 

@@ -274,7 +274,9 @@ class StartRolloutRequest(BaseModel):
     min_valid_item_size_ratio: Ratio = 0.7
     min_timeout_group_size_ratio: Ratio = 0.7
     skip_instance_ids: list[InstanceId] | None = None
-    remote_engine_url: str | None = None
+    remote_engine_url: str | Annotated[list[StrictStr], Field(min_length=1)] | None = Field(
+        None, description="the policy server's URL, or a list of them: a pool the generator spreads load over"
+    )
     remote_buffer_url: str | None = None
     input_file: str | None = None
     sampling_params: dict[str, Any] | None = None

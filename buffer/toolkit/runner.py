@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
@@ -38,9 +38,11 @@ from buffer.toolkit.dataset import Plan, ResumePoint, read_rows
 from buffer.toolkit.engines import Engine
 from buffer.toolkit.failfast import FailFast, MisconfiguredEngine
 from buffer.toolkit.llm import ChatClient, ContinuePolicy, EngineClient, LLMStats, RetryPolicy
+from buffer.toolkit.pool import group_key, routing_key
 from buffer.toolkit.records import turn_records
 from buffer.toolkit.sink import RejectedTrajectory, TrajectorySink, open_sink
 from buffer.toolkit.tito import TokenClient, TokenEngine, TokenRenderer, load_tokenizer
+from buffer.toolkit.transport import Transport
 from buffer.toolkit.types import Completion, Episode, GroupRewardFn, Message, RewardFn, Sample
 from default_func import FAILURE_REWARD
 
@@ -59,7 +61,9 @@ class RolloutSettings(BaseModel):
 
     task_type: str = "default"
     input_file: str
-    remote_engine_url: str
+    remote_engine_url: str | Annotated[list[str], Field(min_length=1)] = Field(
+        description="the policy server, or several: a pool (least in flight, a group on one engine)"
+    )
     remote_buffer_url: str | None = None
     num_repeat_per_sample: int = Field(1, ge=1)
     num_epoch: int = Field(1, ge=1)
@@ -265,7 +269,10 @@ async def run_rollouts(
 
 
 def policy_client(
-    settings: RolloutSettings, *, tokenizer: Any = None, transport: httpx.AsyncBaseTransport | None = None
+    settings: RolloutSettings,
+    *,
+    tokenizer: Any = None,
+    transport: httpx.AsyncBaseTransport | Transport | None = None,
 ) -> EngineClient:
     """The client ``settings`` describe: the chat client, or in token mode the token client
     with the served model's tokenizer (SGLang's ``/generate`` unless the engine is vLLM).
@@ -353,6 +360,8 @@ class _Run:
             raise self.fatal
 
     async def one(self, sample: Sample) -> None:
+        # This task's requests carry the group's key: its samples stay on one engine.
+        routing_key.set(group_key(self.settings.task_type, sample.epoch, sample.instance_id))
         try:
             outcome: Episode | BaseException = await self.rollout(sample)
         except Exception as exc:  # retries are spent: the trajectory fails, the run goes on
