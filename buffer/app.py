@@ -41,7 +41,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        registry = GeneratorRegistry(settings.generator_dir)
+        registry = GeneratorRegistry(settings.generator_dir, hook_timeout_s=settings.hook_timeout_s)
         await asyncio.to_thread(registry.refresh)
         buffer = RolloutBuffer(
             settings.default_task_settings(),
@@ -52,7 +52,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         journal = None if settings.data_dir is None else await asyncio.to_thread(_restore, buffer, settings)
         ready = ReadySignal()
         buffer.add_listener(ready.notify)
-        job_manager = JobManager(buffer, local_url(settings), policy=JobPolicy.from_settings(settings))
+        job_manager = JobManager(
+            buffer,
+            local_url(settings),
+            policy=JobPolicy.from_settings(settings),
+            isolation=settings.job_isolation,
+            grace_s=settings.worker_grace_s,
+            api_key=required_key(settings),
+            log_level=settings.log_level,
+        )
         if journal is not None:
             await job_manager.resume(registry, enabled=settings.resume_jobs)
         history = History()

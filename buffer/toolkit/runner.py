@@ -187,6 +187,7 @@ async def run_rollouts(
         shuffle=settings.shuffle,
         skip_instance_ids=settings.skip_instance_ids,
         resume=ResumePoint.from_json(settings.resume) if settings.resume else None,
+        share=_worker_share(data),
     )
     progress = Progress(settings.task_type, plan.total())
     own_sink = sink is None
@@ -379,6 +380,12 @@ def _as_async(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
         return await result if inspect.isawaitable(result) else result
 
     return in_thread
+
+
+def _worker_share(data: dict[str, Any]) -> tuple[int, int]:
+    """Which worker process of the job this is (the service sets ``data["worker"]``)."""
+    worker = data.get("worker") or {}
+    return int(worker.get("index", 0)), max(1, int(worker.get("count", 1)))
 
 
 async def _report(progress: Progress, interval_s: float, publish: Callable[[], None]) -> None:

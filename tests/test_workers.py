@@ -1,0 +1,342 @@
+"""Generators in worker processes: hostile ones leave the service serving and their job marked
+with what happened; a cancel stops every process a generator started; a killed worker loses
+no group. Each test runs a real service process (workers need a port to write back to)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from buffer.demo import ROOT, free_port, started, wait_ready
+from buffer.workers.process import group_alive
+
+SINK_WRITES = """
+from buffer.toolkit.sink import open_sink
+
+async def write_group(data, instance_id, size=2):
+    sink = await open_sink(data["remote_buffer_url"])
+    for repeat in range(size):
+        await sink.write({
+            "instance_id": instance_id,
+            "uid": f"{instance_id}-{repeat}",
+            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            "reward": float(repeat),
+            "extra_info": {"repeat": repeat},
+        })
+    await sink.aclose()
+"""
+
+GENERATORS = {
+    # time.sleep in an async run_rollout: blocks the worker's loop, never the service's.
+    "sleepy": SINK_WRITES
+    + """
+import time
+TASK_TYPE = "sleepy"
+
+async def run_rollout(data):
+    await write_group(data, "s1")
+    time.sleep(3)
+""",
+    # A hook that blocks: the group is set aside after the time limit, the service serves.
+    "blocking_hook": SINK_WRITES
+    + """
+import time
+TASK_TYPE = "blocking_hook"
+
+def is_valid_group(group, min_valid_group_size, task_type):
+    time.sleep(30)
+    return True, True
+
+async def run_rollout(data):
+    await write_group(data, "b1")
+    await write_group(data, "b2")
+""",
+    "exiting": """
+import os
+TASK_TYPE = "exiting"
+
+async def run_rollout(data):
+    os._exit(3)
+""",
+    "interrupting": """
+TASK_TYPE = "interrupting"
+
+def run_rollout(data):
+    raise KeyboardInterrupt
+""",
+    "leaking": """
+import time
+TASK_TYPE = "leaking"
+HOARD = []
+
+def run_rollout(data):
+    HOARD.append(bytearray(200 * 2**20))
+    while True:
+        time.sleep(0.1)
+""",
+    # Catches every cancellation and carries on.
+    "stubborn": """
+import asyncio, signal
+TASK_TYPE = "stubborn"
+
+async def run_rollout(data):
+    while True:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            continue
+""",
+    # Ignores SIGTERM outright, in a sync generator.
+    "deaf": """
+import signal, time
+TASK_TYPE = "deaf"
+
+def run_rollout(data):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        time.sleep(0.1)
+""",
+    # As slime's own generator: sync, a multiprocessing pool of writers that never stop.
+    "slime_like": """
+import itertools, multiprocessing, os, time, uuid
+import httpx
+TASK_TYPE = "slime_like"
+
+def writer(url, n):
+    with httpx.Client(trust_env=False) as client:
+        for i in itertools.count():
+            item = {
+                "instance_id": f"w{n}-{i}",
+                "uid": uuid.uuid4().hex,
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                "reward": 1.0,
+            }
+            client.post(url + "/buffer/write", json=item)
+            time.sleep(0.02)
+
+def run_rollout(data):
+    processes = [
+        multiprocessing.Process(target=writer, args=(data["remote_buffer_url"], n)) for n in range(4)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join()
+""",
+    # The toolkit against the simulator; rewards differ by repeat so every group is valid.
+    "toolkit": """
+from buffer.toolkit import run_rollouts
+TASK_TYPE = "toolkit"
+
+async def run_rollout(data):
+    await run_rollouts(data, reward=lambda sample, episode: float(sample.repeat))
+""",
+}
+
+
+class Service:
+    def __init__(self, url: str, pid: int) -> None:
+        self.url = url
+        self.pid = pid
+        self.http = httpx.Client(base_url=url, timeout=30.0, trust_env=False)
+
+    def start(self, task: str, **fields: Any) -> dict[str, Any]:
+        response = self.http.post("/start_rollout", json={"task_type": task, **fields})
+        assert response.status_code == 200, response.text
+        job: dict[str, Any] = response.json()["job"]
+        return job
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        data: dict[str, Any] = self.http.get(f"/jobs/{job_id}").json()["data"]
+        return data
+
+    def wait_job(
+        self, job_id: str, until: Callable[[dict[str, Any]], bool], timeout_s: float = 60
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            job = self.job(job_id)
+            if until(job):
+                return job
+            time.sleep(0.1)
+        raise AssertionError(f"job {job_id} never got there: {self.job(job_id)}")
+
+    def wait_done(self, job_id: str, timeout_s: float = 60) -> dict[str, Any]:
+        return self.wait_job(job_id, lambda job: job["status"] != "running", timeout_s)
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        response = self.http.post(f"/jobs/{job_id}/cancel")
+        assert response.status_code == 200, response.text
+        data: dict[str, Any] = response.json()["data"]
+        return data
+
+    def health_latency_s(self) -> float:
+        started_at = time.monotonic()
+        assert self.http.get("/health").status_code == 200
+        return time.monotonic() - started_at
+
+    def rss_bytes(self) -> int:
+        return _rss(self.pid)
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def simulated_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    command = [sys.executable, "-m", "buffer.simulator", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--latency-mean-s", "0.3", "--accuracy", "1.0", "--seed", "0", "--log-level", "warning"]
+    with started(command, "simulator", tmp_path_factory.mktemp("sim") / "sim.log") as process:
+        wait_ready(f"http://127.0.0.1:{port}/health", process, 60, "the simulator")
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    directory = tmp_path_factory.mktemp("workers")
+    generators = directory / "generator"
+    (generators / "data").mkdir(parents=True)
+    for name, source in GENERATORS.items():
+        (generators / f"{name}_generator.py").write_text(source)
+    shutil.copy(ROOT / "generator" / "data" / "math.jsonl", generators / "data" / "math.jsonl")
+    port = free_port()
+    command = [sys.executable, "-m", "buffer", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--generator-dir", str(generators), "--group-size", "2", "--worker-grace-s", "1"]
+    command += ["--hook-timeout-s", "0.5"]
+    with started(command, "service", directory / "service.log") as process:
+        wait_ready(f"http://127.0.0.1:{port}/health", process, 60, "the service")
+        running = Service(f"http://127.0.0.1:{port}", process.pid)
+        yield running
+        running.http.close()
+        assert process.poll() is None, "the service died"
+
+
+def test_time_sleep_in_an_async_generator_does_not_block_the_service(service: Service) -> None:
+    job = service.start("sleepy")
+    service.wait_job(job["id"], lambda job: job["counters"]["written"] == 2)
+    assert service.job(job["id"])["status"] == "running"  # it sleeps now, in its worker
+    assert max(service.health_latency_s() for _ in range(5)) < 1.0
+    done = service.wait_done(job["id"])
+    assert done["status"] == "succeeded"
+    assert done["workers"][0]["exit"] == "exited with code 0"
+
+
+def test_a_hook_that_blocks_sets_its_groups_aside_and_the_service_serves(service: Service) -> None:
+    job = service.start("blocking_hook")
+    done = service.wait_done(job["id"])
+    assert done["status"] == "succeeded"
+    assert service.health_latency_s() < 1.0
+    aside = service.http.get("/buffer/set_aside", params={"task_type": "blocking_hook"}).json()["data"][
+        "groups"
+    ]
+    assert len(aside) == 2
+    assert all("is_valid_group" in str(group) for group in aside)
+
+
+def test_a_generator_that_exits_fails_its_job_with_the_exit_code(service: Service) -> None:
+    job = service.start("exiting")
+    done = service.wait_done(job["id"])
+    assert done["status"] == "failed"
+    assert "exited with code 3" in done["error"]
+    assert service.health_latency_s() < 1.0
+
+
+def test_keyboard_interrupt_fails_the_job_not_the_service(service: Service) -> None:
+    job = service.start("interrupting")
+    done = service.wait_done(job["id"])
+    assert done["status"] == "failed"
+    assert done["error"].startswith("KeyboardInterrupt")
+    assert done["where"].endswith("interrupting_generator.py:5 in run_rollout")
+    assert service.health_latency_s() < 1.0
+
+
+def test_a_leaking_generator_grows_its_worker_not_the_service(service: Service) -> None:
+    before = service.rss_bytes()
+    job = service.start("leaking")
+    running = service.wait_job(
+        job["id"], lambda job: (job["workers"] and job["workers"][0]["rss_bytes"] or 0) > 150 * 2**20
+    )
+    assert service.rss_bytes() - before < 50 * 2**20
+    pid = running["workers"][0]["pid"]
+    assert service.cancel(job["id"])["status"] == "cancelled"
+    assert not group_alive(pid)
+
+
+@pytest.mark.parametrize("task", ["stubborn", "deaf"])
+def test_a_generator_that_ignores_cancellation_is_killed_after_the_grace_period(
+    service: Service, task: str
+) -> None:
+    job = service.start(task)
+    pid = service.wait_job(job["id"], lambda job: bool(job["workers"]))["workers"][0]["pid"]
+    time.sleep(1.0)  # let it install its handlers
+    started_at = time.monotonic()
+    cancelled = service.cancel(job["id"])
+    assert time.monotonic() - started_at < 5.0
+    assert cancelled["status"] == "cancelled"
+    assert cancelled["workers"][0]["exit"] == "was killed by SIGKILL"
+    assert not group_alive(pid)
+
+
+def test_a_multiprocessing_generator_stops_writing_on_cancel_and_restarts_alone(service: Service) -> None:
+    first = service.start("slime_like")
+
+    def written() -> int:
+        count: int = service.job(first["id"])["counters"]["written"]
+        return count
+
+    pid = service.wait_job(first["id"], lambda job: job["counters"]["written"] >= 20)["workers"][0]["pid"]
+    assert service.cancel(first["id"])["status"] == "cancelled"
+    assert not group_alive(pid)  # the pool's processes too: they are in the worker's group
+    after_cancel = written()
+    time.sleep(1.0)
+    assert written() == after_cancel
+
+    second = service.start("slime_like")
+    assert second["id"] != first["id"]
+    restarted = service.http.post("/start_rollout", json={"task_type": "slime_like", "restart": True}).json()
+    assert restarted["job_id"] != second["id"]
+    assert service.job(second["id"])["status"] == "cancelled"
+    assert not group_alive(service.job(second["id"])["workers"][0]["pid"])
+    running = [job for job in service.http.get("/jobs").json()["data"]["jobs"] if job["status"] == "running"]
+    assert [job["id"] for job in running if job["task_type"] == "slime_like"] == [restarted["job_id"]]
+    third = service.wait_job(restarted["job_id"], lambda job: job["counters"]["written"] >= 10)
+    assert service.cancel(third["id"])["status"] == "cancelled"
+
+
+def test_a_worker_killed_mid_run_loses_no_group_and_makes_none_twice(
+    service: Service, simulated_engine: str
+) -> None:
+    job = service.start(
+        "toolkit",
+        input_file="math.jsonl",
+        remote_engine_url=simulated_engine,
+        num_repeat_per_sample=2,
+        num_process=8,
+        num_workers=2,
+        group_timeout_seconds=600,
+    )
+    running = service.wait_job(job["id"], lambda job: job["counters"]["written"] >= 16)
+    os.kill(running["workers"][0]["pid"], signal.SIGKILL)
+    done = service.wait_done(job["id"], timeout_s=120)
+    assert done["status"] == "succeeded", done
+    assert done["worker_restarts"] == 1
+    assert done["counters"]["written"] == 64 * 2
+    items = service.http.post("/get_rollout_data", json={"task_type": "toolkit"}).json()["data"]["data"]
+    instances = Counter(item["instance_id"] for item in items)
+    assert len(instances) == 64
+    assert set(instances.values()) == {2}
