@@ -1,5 +1,6 @@
 """``python buffer.py`` / ``python -m buffer`` / ``rollout-buffer``: run the service;
-``rollout-buffer status`` and ``rollout-buffer tail`` look at a running one instead."""
+``rollout-buffer status`` and ``rollout-buffer tail`` look at a running one instead;
+``rollout-buffer worker`` runs a generator for a buffer elsewhere."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from buffer import console  # the command-line views load no server code
 
         sys.exit(console.main(args))
+    if args[:1] == ["worker"]:
+        from buffer.workers import remote  # a generator for a buffer elsewhere: no server code
+
+        sys.exit(remote.main(args[1:]))
     serve(args)
 
 

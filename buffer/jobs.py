@@ -125,7 +125,9 @@ class Job:
             "finished_at": self.finished_at,
             "duration_s": round(end - self.started_at, 3),
             "counters": {"written": written_now - self.written_at_start},
-            "progress": dict(self.progress),
+            "progress": _merged([worker.progress() for worker in self.workers])
+            if self.workers
+            else dict(self.progress),
             "error": self.error,
             "where": self.where,
             "workers": [worker.describe() for worker in self.workers],
@@ -429,6 +431,21 @@ class JobManager:
         for job in running:
             self._buffer.job_paused(job.task_type)
         await asyncio.gather(*(self.cancel(job.id) for job in running))
+
+
+def _merged(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One progress report from each worker's: numbers added up, anything else the first's."""
+    if len(reports) == 1:
+        return reports[0]
+    merged: dict[str, Any] = {}
+    for report in reports:
+        for key, value in report.items():
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if key in merged and number and isinstance(merged[key], (int, float)):
+                merged[key] += value
+            else:
+                merged.setdefault(key, value)
+    return merged
 
 
 def _worker_env(api_key: str | None) -> dict[str, str]:

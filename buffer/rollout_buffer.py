@@ -60,11 +60,15 @@ class RolloutBuffer:
         dedup_window: int = 1_000_000,
         recent: int = 1000,
         max_buffered: int = 0,
+        strict_tasks: bool = False,
     ) -> None:
         """``hooks_for`` gives the hooks of a task first met through a write, or restored,
         by the name of its generator; ``dedup_window`` bounds how many uids of trajectories no
         longer buffered are remembered; past ``max_buffered`` trajectories (0: no limit) a
-        write that would open a new group raises ``BufferFull``."""
+        write that would open a new group raises ``BufferFull``; with ``strict_tasks`` a write
+        to a task never configured (``configure_task``, or restored) is refused rather than
+        grouped by the default settings."""
+        self.strict_tasks = strict_tasks
         self.default_settings = default_settings or TaskSettings()
         self._hooks_for = hooks_for or (lambda task_type: Hooks())
         self._clock = clock
@@ -205,7 +209,11 @@ class RolloutBuffer:
             return results
 
     def _prepare(self, prefix: str, item: Mapping[str, Any]) -> tuple[TaskBuffer, InstanceId, Record]:
-        task = self._task(item.get("task_type") or self._current_task)
+        task_type = item.get("task_type") or self._current_task
+        if self.strict_tasks and task_type not in self._tasks:
+            reason = f"no task {task_type!r} is configured: PUT /tasks/{{name}} or /start_rollout first"
+            raise InvalidInput.one(prefix + "task_type", reason)
+        task = self._task(task_type)
         reward = item["reward"]
         if isinstance(reward, dict):
             scalar = _scalar_reward(prefix + "reward", reward, task.settings.reward_key)

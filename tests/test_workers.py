@@ -4,10 +4,13 @@ no group. Each test runs a real service process (workers need a port to write ba
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -18,6 +21,8 @@ import httpx
 import pytest
 
 from buffer.demo import ROOT, free_port, started, wait_ready
+from buffer.hooks import bind_hooks
+from buffer.workers.hook_guard import GuardedHook, HookTimeout, guard_hooks
 from buffer.workers.process import group_alive
 
 SINK_WRITES = """
@@ -145,7 +150,8 @@ async def run_rollout(data):
 
 
 class Service:
-    def __init__(self, url: str, pid: int) -> None:
+    def __init__(self, url: str, pid: int, data: Path) -> None:
+        self.data = data  # the generator folder's data, an input root
         self.url = url
         self.pid = pid
         self.http = httpx.Client(base_url=url, timeout=30.0, trust_env=False)
@@ -217,10 +223,10 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     port = free_port()
     command = [sys.executable, "-m", "buffer", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--generator-dir", str(generators), "--group-size", "2", "--worker-grace-s", "1"]
-    command += ["--hook-timeout-s", "0.5"]
+    command += ["--hook-timeout-s", "0.5", "--strict-tasks"]
     with started(command, "service", directory / "service.log") as process:
         wait_ready(f"http://127.0.0.1:{port}/health", process, 60, "the service")
-        running = Service(f"http://127.0.0.1:{port}", process.pid)
+        running = Service(f"http://127.0.0.1:{port}", process.pid, generators / "data")
         yield running
         running.http.close()
         assert process.poll() is None, "the service died"
@@ -269,7 +275,7 @@ def test_a_leaking_generator_grows_its_worker_not_the_service(service: Service) 
     before = service.rss_bytes()
     job = service.start("leaking")
     running = service.wait_job(
-        job["id"], lambda job: (job["workers"] and job["workers"][0]["rss_bytes"] or 0) > 150 * 2**20
+        job["id"], lambda job: ((job["workers"] and job["workers"][0]["rss_bytes"]) or 0) > 150 * 2**20
     )
     assert service.rss_bytes() - before < 50 * 2**20
     pid = running["workers"][0]["pid"]
@@ -323,7 +329,7 @@ def test_a_worker_killed_mid_run_loses_no_group_and_makes_none_twice(
 ) -> None:
     job = service.start(
         "toolkit",
-        input_file="math.jsonl",
+        input_file=str(service.data / "math.jsonl"),
         remote_engine_url=simulated_engine,
         num_repeat_per_sample=2,
         num_process=8,
@@ -335,8 +341,116 @@ def test_a_worker_killed_mid_run_loses_no_group_and_makes_none_twice(
     done = service.wait_done(job["id"], timeout_s=120)
     assert done["status"] == "succeeded", done
     assert done["worker_restarts"] == 1
+    assert done["progress"]["completed"] > 0  # the workers' counts, added up
     assert done["counters"]["written"] == 64 * 2
     items = service.http.post("/get_rollout_data", json={"task_type": "toolkit"}).json()["data"]["data"]
     instances = Counter(item["instance_id"] for item in items)
     assert len(instances) == 64
     assert set(instances.values()) == {2}
+
+
+def test_sigterm_stops_the_service_and_its_workers(tmp_path: Path) -> None:
+    generators = tmp_path / "generator"
+    generators.mkdir()
+    (generators / "deaf_generator.py").write_text(GENERATORS["deaf"])
+    port = free_port()
+    command = [sys.executable, "-m", "buffer", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--generator-dir", str(generators), "--worker-grace-s", "1"]
+    with started(command, "service", tmp_path / "service.log") as process:
+        wait_ready(f"http://127.0.0.1:{port}/health", process, 60, "the service")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=30) as http:
+            job = http.post("/start_rollout", json={"task_type": "deaf"}).json()["job"]
+            deadline = time.monotonic() + 30
+            while not (workers := http.get(f"/jobs/{job['id']}").json()["data"]["workers"]):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        time.sleep(1.0)  # it ignores SIGTERM by now
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0
+        assert not group_alive(workers[0]["pid"])
+
+
+class TestHookGuard:
+    def test_a_hook_that_returns_in_time_answers_as_itself(self) -> None:
+        hook = GuardedHook("is_valid_group", lambda group, size, task: (True, True), 1.0)
+        assert hook(("q", []), 2, "math") == (True, True)
+
+    def test_a_hook_error_reaches_the_caller(self) -> None:
+        def broken(*_: Any) -> None:
+            raise ValueError("bad group")
+
+        with pytest.raises(ValueError, match="bad group"):
+            GuardedHook("filter_item", broken, 1.0)({}, "math")
+
+    def test_a_stuck_hook_times_out_then_fails_at_once_until_it_returns(self) -> None:
+        release = threading.Event()
+        calls: list[int] = []
+
+        def stuck(n: int) -> int:
+            calls.append(n)
+            if n == 0:
+                release.wait(10)
+            return n
+
+        hook = GuardedHook("transform_group", stuck, 0.2)
+        started_at = time.monotonic()
+        with pytest.raises(HookTimeout, match=r"within 0\.2 s"):
+            hook(0)
+        assert 0.2 <= time.monotonic() - started_at < 1.0
+        started_at = time.monotonic()
+        with pytest.raises(HookTimeout, match="still in a call"):
+            hook(1)
+        assert time.monotonic() - started_at < 0.1
+        release.set()
+        deadline = time.monotonic() + 5
+        while True:  # once the stuck call returns, the hook serves again
+            try:
+                assert hook(2) == 2
+                break
+            except HookTimeout:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert calls == [0, 2]
+
+    def test_only_overridden_hooks_are_guarded(self) -> None:
+        hooks = guard_hooks(bind_hooks({"is_valid_group": lambda group, size, task: (True, True)}), 1.0)
+        assert isinstance(hooks.is_valid_group, GuardedHook)
+        assert not isinstance(hooks.filter_item, GuardedHook)
+
+
+def test_remote_workers_fill_a_strict_task_with_exact_counts(
+    service: Service, simulated_engine: str, tmp_path: Path
+) -> None:
+    generator = tmp_path / "remote_generator.py"
+    generator.write_text(GENERATORS["toolkit"])
+    data = {
+        "input_file": str(ROOT / "generator" / "data" / "math.jsonl"),
+        "remote_engine_url": simulated_engine,
+        "num_repeat_per_sample": 2,
+        "num_process": 32,
+    }
+    # The service runs with --strict-tasks: each worker configures the task first (PUT /tasks).
+    command = [sys.executable, "-m", "buffer", "worker", "--buffer", service.url, "--task", "remote_math"]
+    command += ["--generator", str(generator), "--data", json.dumps(data), "--num-workers", "2"]
+    workers = [
+        subprocess.Popen([*command, "--worker-index", str(index)], cwd=ROOT, env=dict(os.environ))
+        for index in range(2)
+    ]
+    assert [worker.wait(timeout=120) for worker in workers] == [0, 0]
+    items = service.http.post("/get_rollout_data", json={"task_type": "remote_math"}).json()["data"]["data"]
+    instances = Counter(item["instance_id"] for item in items)
+    assert len(instances) == 64
+    assert set(instances.values()) == {2}
+
+
+def test_the_strict_service_refuses_a_write_to_a_task_never_configured(service: Service) -> None:
+    response = service.http.post(
+        "/buffer/write",
+        json={
+            "instance_id": "q",
+            "task_type": "never",
+            "messages": [{"role": "user", "content": "q"}],
+            "reward": 1,
+        },
+    )
+    assert response.status_code == 422

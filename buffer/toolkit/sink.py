@@ -206,8 +206,10 @@ async def open_sink(remote_buffer_url: str | None, *, api_key: str | None = None
     (with the service's key, which it gave them), else an HTTP sink to ``remote_buffer_url``."""
     job = current_job()
     if job is not None and (job.buffer is not None or job.in_worker):
-        local = remote_buffer_url is None or await asyncio.to_thread(
-            same_service, remote_buffer_url, job.buffer_url
+        local = (
+            remote_buffer_url is None
+            or remote_buffer_url == job.buffer_url
+            or await asyncio.to_thread(same_service, remote_buffer_url, job.buffer_url)
         )
         if local and job.buffer is not None:
             return LocalSink(job.buffer)

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 EXIT_FAILED = 1
 EXIT_CANCELLED = 2
 ORPHAN_CHECK_S = 0.5
+PROGRESS_INTERVAL_S = 1.0
 
 
 class Cancelled(BaseException):
@@ -49,10 +50,22 @@ def main() -> None:
     spec = WorkerSpec.from_json(json.loads(sys.stdin.read()))
     configure_logging(spec.log_level)
     _watch_parent(os.getppid())
+    code = run(spec)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # threads a generator left behind do not hold the exit up
+
+
+def run(spec: WorkerSpec) -> int:
+    """Run the generator ``spec`` names in this process; its exit code (0 when it returned)."""
     generator = load_generator(Path(spec.generator_file))
     if isinstance(generator, LoadError):
+        logger.error(
+            "%s: cannot load %s: %s\n%s", spec.job_id, generator.path, generator.error, generator.traceback
+        )
         _leave(spec, {"status": "failed", "error": generator.error, "where": generator.where})
-        sys.exit(EXIT_FAILED)
+        return EXIT_FAILED
     data = dict(spec.data, worker={"index": spec.index, "count": spec.count})
     job = Job(
         id=spec.job_id,
@@ -65,13 +78,11 @@ def main() -> None:
         in_worker=True,
     )
     _current_job.set(job)
+    if spec.progress_file:
+        _publish_progress(job, Path(spec.progress_file))
     status = _run(generator, job)
     _leave(spec, status)
-    code = {"succeeded": 0, "cancelled": EXIT_CANCELLED}.get(status["status"], EXIT_FAILED)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # threads a generator left behind do not hold the exit up
+    return {"succeeded": 0, "cancelled": EXIT_CANCELLED}.get(status["status"], EXIT_FAILED)
 
 
 def _run(generator: Generator, job: Job) -> dict[str, Any]:
@@ -109,13 +120,13 @@ async def _run_async(generator: Generator, job: Job) -> None:
 
 
 def _cancel_sync(job: Job, frame: FrameType | None) -> None:
-    if os.getpid() != _OWN_PID:  # a process the generator forked: just stop
+    if os.getpid() != _own_pid:  # a process the generator forked: just stop
         os._exit(EXIT_CANCELLED)
     job._cancel.set()
     raise Cancelled
 
 
-_OWN_PID = os.getpid()
+_own_pid = os.getpid()
 
 
 def _watch_parent(parent: int) -> None:
@@ -130,13 +141,32 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def _publish_progress(job: Job, path: Path) -> None:
+    """Keep the job's progress in ``path``, once a second, for the service's ``GET /jobs``."""
+
+    def publish() -> None:
+        last: dict[str, Any] | None = None
+        while True:
+            time.sleep(PROGRESS_INTERVAL_S)
+            progress = dict(job.progress)
+            if progress != last:
+                with contextlib.suppress(OSError, TypeError, ValueError):
+                    _write_atomically(path, json.dumps(progress))
+                    last = progress
+
+    threading.Thread(target=publish, name="progress", daemon=True).start()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(text)
+    temporary.replace(path)
+
+
 def _leave(spec: WorkerSpec, outcome: dict[str, Any]) -> None:
     if not spec.result_file:
         return
-    path = Path(spec.result_file)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(outcome))
-    temporary.replace(path)
+    _write_atomically(Path(spec.result_file), json.dumps(outcome))
 
 
 if __name__ == "__main__":

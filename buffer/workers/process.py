@@ -50,6 +50,7 @@ class WorkerProcess:
     process: asyncio.subprocess.Process | None = field(default=None, repr=False)
     outcome: WorkerOutcome | None = None
     _directory: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+    _progress: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def pid(self) -> int | None:
@@ -57,8 +58,12 @@ class WorkerProcess:
 
     async def start(self) -> None:
         self._directory = tempfile.TemporaryDirectory(prefix=f"rollout-{self.spec.job_id}-")
-        result = str(Path(self._directory.name) / "outcome.json")
-        spec = self.spec = dataclasses.replace(self.spec, result_file=result)
+        directory = Path(self._directory.name)
+        spec = self.spec = dataclasses.replace(
+            self.spec,
+            result_file=str(directory / "outcome.json"),
+            progress_file=str(directory / "progress.json"),
+        )
         self.process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -79,6 +84,7 @@ class WorkerProcess:
         assert self.process is not None
         code = await self.process.wait()
         self._kill_group(signal.SIGKILL)
+        self.progress()  # its last word, before the folder goes
         self.outcome = self._read_outcome(code)
         if self._directory is not None:
             self._directory.cleanup()
@@ -103,8 +109,9 @@ class WorkerProcess:
         await self.process.wait()
         # A signal is delivered when its process next runs: until then, one of its processes may
         # still send a write. Return once none is left (zombies, dead already, do not count).
-        deadline = asyncio.get_running_loop().time() + KILL_WAIT_S
-        while group_alive(self.process.pid) and asyncio.get_running_loop().time() < deadline:
+        for _ in range(int(KILL_WAIT_S / 0.02)):
+            if not await asyncio.to_thread(group_alive, self.process.pid):
+                break
             await asyncio.sleep(0.02)
 
     def rss_bytes(self) -> int | None:
@@ -119,6 +126,13 @@ class WorkerProcess:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
         return None
+
+    def progress(self) -> dict[str, Any]:
+        """What the generator last reported (the toolkit's counts), kept once it has exited."""
+        if self.spec.progress_file and self.outcome is None:
+            with contextlib.suppress(OSError, ValueError):
+                self._progress = json.loads(Path(self.spec.progress_file).read_text())
+        return self._progress
 
     def describe(self) -> dict[str, Any]:
         outcome = self.outcome

@@ -22,6 +22,8 @@ class WorkerSpec:
     count: int = 1
     #: Where it leaves its outcome (a JSON object) before it exits.
     result_file: str = ""
+    #: Where it keeps ``current_job().progress`` (the toolkit's counts) for the service to show.
+    progress_file: str = ""
     log_level: str = "info"
     input_roots: tuple[str, ...] = ()
     engine_hosts: tuple[str, ...] | None = None
