@@ -72,6 +72,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             grace_s=settings.worker_grace_s,
             api_key=required_key(settings),
             log_level=settings.log_level,
+            ray_address=settings.ray_address,
         )
         if journal is not None:
             await job_manager.resume(registry, enabled=settings.resume_jobs)

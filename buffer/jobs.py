@@ -51,7 +51,9 @@ from buffer.errors import InvalidInput, UnknownJob
 from buffer.job_policy import JobPolicy
 from buffer.registry import Generator, GeneratorRegistry, where
 from buffer.rollout_buffer import RolloutBuffer
+from buffer.workers import ray_worker
 from buffer.workers.process import WorkerOutcome, WorkerProcess
+from buffer.workers.ray_worker import RayWorker
 from buffer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -101,7 +103,7 @@ class Job:
     traceback: str | None = None  # for the log only
     where: str | None = None  # the innermost frame of the generator's code
     progress: dict[str, Any] = field(default_factory=dict)
-    workers: list[WorkerProcess] = field(default_factory=list, repr=False)
+    workers: list[WorkerProcess | RayWorker] = field(default_factory=list, repr=False)
     restarts: int = 0  # of its workers, after one was killed
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -147,9 +149,13 @@ class JobManager:
         grace_s: float = 5.0,
         api_key: str | None = None,
         log_level: str = "info",
+        ray_address: str | None = None,
     ) -> None:
-        """``api_key``: the service's own, given to its workers to write back to it."""
+        """``api_key``: the service's own, given to its workers to write back to it;
+        ``ray_address``: run workers as Ray actors there (a job's ``ray_address`` too)."""
         self.isolation = isolation
+        self.ray_address = ray_address
+        self._api_key = api_key
         self.grace_s = grace_s
         self._log_level = log_level
         self._worker_env = _worker_env(api_key)
@@ -304,23 +310,28 @@ class JobManager:
         others are stopped)."""
         count = int(data.get("num_workers", 1))
         policy = WorkerSpec.policy_fields(self.policy)
-        job.workers = [
-            WorkerProcess(
-                WorkerSpec(
-                    job.id,
-                    job.task_type,
-                    str(generator.path),
-                    data,
-                    self._buffer_url,
-                    index=index,
-                    count=count,
-                    log_level=self._log_level,
-                    **policy,
-                ),
-                env=self._worker_env,
+        ray_address = data.get("ray_address") or self.ray_address
+        specs = [
+            WorkerSpec(
+                job.id,
+                job.task_type,
+                str(generator.path),
+                _share_of(data, index, count),
+                # On a Ray cluster, the address the job names for the buffer: reachable from there.
+                str(data.get("remote_buffer_url") or self._buffer_url) if ray_address else self._buffer_url,
+                index=index,
+                count=count,
+                log_level=self._log_level,
+                **policy,
             )
             for index in range(count)
         ]
+        if ray_address:
+            key = self._worker_env.get("ROLLOUT_BUFFER_API_KEY")
+            env = {"ROLLOUT_BUFFER_API_KEY": key} if key and self._api_key else {}
+            job.workers = [RayWorker(spec, str(ray_address), env) for spec in specs]
+        else:
+            job.workers = [WorkerProcess(spec, env=self._worker_env) for spec in specs]
         for worker in job.workers:
             await worker.start()
         pending = {asyncio.ensure_future(worker.wait()) for worker in job.workers}
@@ -431,6 +442,17 @@ class JobManager:
         for job in running:
             self._buffer.job_paused(job.task_type)
         await asyncio.gather(*(self.cancel(job.id) for job in running))
+        await asyncio.to_thread(ray_worker.shutdown)
+
+
+def _share_of(data: dict[str, Any], index: int, count: int) -> dict[str, Any]:
+    """The data worker ``index`` of ``count`` runs with: its part of ``num_process`` (the
+    trajectories in flight are the job's, spread over its workers)."""
+    total = data.get("num_process")
+    if count == 1 or total is None:
+        return data
+    total = int(total)
+    return {**data, "num_process": max(1, total // count + (1 if index < total % count else 0))}
 
 
 def _merged(reports: list[dict[str, Any]]) -> dict[str, Any]:

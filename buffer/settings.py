@@ -102,6 +102,11 @@ class Settings(BaseSettings):
     worker_grace_s: float = Field(
         5.0, ge=0, description="a cancelled job's workers get SIGTERM, then SIGKILL after this long"
     )
+    ray_address: str | None = Field(
+        None,
+        description="run each job's workers as Ray actors on this cluster (e.g. ray://head:10001, auto, "
+        "or local for a Ray instance of the service's own); needs the ray extra",
+    )
     hook_timeout_s: float = Field(
         2.0, gt=0, description="a generator's hook (is_valid_group, ...) that runs longer fails its group"
     )

@@ -57,14 +57,18 @@ def main() -> None:
     os._exit(code)  # threads a generator left behind do not hold the exit up
 
 
-def run(spec: WorkerSpec) -> int:
-    """Run the generator ``spec`` names in this process; its exit code (0 when it returned)."""
+def run(spec: WorkerSpec, outcome: dict[str, Any] | None = None) -> int:
+    """Run the generator ``spec`` names in this process; its exit code (0 when it returned).
+    ``outcome`` gets what ``result_file`` would (for a caller in this process)."""
     generator = load_generator(Path(spec.generator_file))
     if isinstance(generator, LoadError):
         logger.error(
             "%s: cannot load %s: %s\n%s", spec.job_id, generator.path, generator.error, generator.traceback
         )
-        _leave(spec, {"status": "failed", "error": generator.error, "where": generator.where})
+        failure = {"status": "failed", "error": generator.error, "where": generator.where}
+        _leave(spec, failure)
+        if outcome is not None:
+            outcome.update(failure)
         return EXIT_FAILED
     data = dict(spec.data, worker={"index": spec.index, "count": spec.count})
     job = Job(
@@ -81,7 +85,12 @@ def run(spec: WorkerSpec) -> int:
     if spec.progress_file:
         _publish_progress(job, Path(spec.progress_file))
     status = _run(generator, job)
+    if spec.progress_file and job.progress:  # the last counts, which the thread may not have seen
+        with contextlib.suppress(OSError, TypeError, ValueError):
+            _write_atomically(Path(spec.progress_file), json.dumps(job.progress))
     _leave(spec, status)
+    if outcome is not None:
+        outcome.update(status)
     return {"succeeded": 0, "cancelled": EXIT_CANCELLED}.get(status["status"], EXIT_FAILED)
 
 
@@ -90,7 +99,8 @@ def _run(generator: Generator, job: Job) -> dict[str, Any]:
         if generator.is_async:
             asyncio.run(_run_async(generator, job))
         else:
-            signal.signal(signal.SIGTERM, lambda sig, frame: _cancel_sync(job, frame))
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, lambda sig, frame: _cancel_sync(job, frame))
             generator.run_rollout(job.data)
     except (Cancelled, asyncio.CancelledError):
         return {"status": "cancelled"}
@@ -115,7 +125,8 @@ async def _run_async(generator: Generator, job: Job) -> None:
         job._cancel.set()
         task.cancel()
 
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, cancel)
+    if threading.current_thread() is threading.main_thread():
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, cancel)
     await generator.run_rollout(job.data)
 
 

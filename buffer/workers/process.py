@@ -157,10 +157,8 @@ class WorkerProcess:
                 raw = json.loads(Path(self.spec.result_file).read_text())
         status = raw.get("status") or _EXIT_STATUS.get(code, "failed")
         error = raw.get("error")
-        if status == "failed" and error is None:
+        if status == "failed" and error is None:  # it could not say: killed, or os._exit
             error = f"the worker process {exit_text(code)}"
-        elif status == "failed":
-            error = f"{error} (the worker process {exit_text(code)})"
         return WorkerOutcome(status, code, error, raw.get("where"))
 
 
