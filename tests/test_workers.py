@@ -454,3 +454,23 @@ def test_the_strict_service_refuses_a_write_to_a_task_never_configured(service: 
         },
     )
     assert response.status_code == 422
+
+
+def test_workers_write_back_to_a_service_that_requires_a_key(tmp_path: Path) -> None:
+    generators = tmp_path / "generator"
+    generators.mkdir()
+    (generators / "sleepy_generator.py").write_text(GENERATORS["sleepy"].replace("time.sleep(3)", "pass"))
+    port = free_port()
+    command = [sys.executable, "-m", "buffer", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--generator-dir", str(generators), "--group-size", "2", "--api-key", "s3cret"]
+    with started(command, "service", tmp_path / "service.log") as process:
+        wait_ready(f"http://127.0.0.1:{port}/health", process, 60, "the service")
+        headers = {"authorization": "Bearer s3cret"}
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers, trust_env=False) as http:
+            job = http.post("/start_rollout", json={"task_type": "sleepy"}).json()["job"]
+            deadline = time.monotonic() + 60
+            while (state := http.get(f"/jobs/{job['id']}").json()["data"])["status"] == "running":
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert state["status"] == "succeeded", state
+        assert state["counters"]["written"] == 2

@@ -89,6 +89,8 @@ def test_a_job_on_ray_actors_completes_with_exact_counts_and_cancels(
     waiting = http.post("/start_rollout", json={"task_type": "waiting"}).json()["job"]
     _wait(http, waiting["id"], lambda job: job["status"] == "running" and job["workers"], 60)
     time.sleep(2.0)
-    cancelled = http.post(f"/jobs/{waiting['id']}/cancel").json()["data"]
+    response = http.post(f"/jobs/{waiting['id']}/cancel")
+    assert response.status_code == 200, response.text
+    cancelled = response.json()["data"]
     assert cancelled["status"] == "cancelled"
     assert cancelled["workers"][0]["status"] != "running"

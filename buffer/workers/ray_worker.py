@@ -28,6 +28,8 @@ from buffer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
+#: How long a stop waits, after the grace period, for the actor's run to end before ``ray.kill``.
+KILL_WAIT_S = 5.0
 _connected: str | None = None
 _connect_lock = threading.Lock()
 
@@ -109,7 +111,7 @@ class RayWorker:
         if self.env:
             options["runtime_env"] = {"env_vars": self.env}
         self._actor = actor_class.options(**options).remote()
-        self._ref = self._actor.run.remote(self.spec.to_json())
+        self._ref = asyncio.wrap_future(self._actor.run.remote(self.spec.to_json()).future())
         logger.info(
             "%s: worker %d/%d started as a Ray actor", self.spec.job_id, self.spec.index + 1, self.spec.count
         )
@@ -118,7 +120,7 @@ class RayWorker:
         ray = _ray()
 
         try:
-            raw: dict[str, Any] = await self._ref
+            raw: dict[str, Any] = await asyncio.shield(self._ref)
         except ray.exceptions.RayActorError as exc:
             self.outcome = WorkerOutcome("failed", None, f"the Ray actor died: {_first_line(exc)}")
         except ray.exceptions.RayError as exc:
@@ -133,10 +135,14 @@ class RayWorker:
         if self._actor is None:
             return
         ray = _ray()
-        with contextlib.suppress(ray.exceptions.RayError):
-            await asyncio.wait_for(self._actor.terminate.remote(grace_s), grace_s + 10)
+        # The actor signals its own group, then kills it: its run() ends, one way or another.
+        self._actor.terminate.remote(grace_s)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(self._ref), grace_s + KILL_WAIT_S)
         with contextlib.suppress(Exception):
             ray.kill(self._actor, no_restart=True)
+        if self.outcome is None:
+            self.outcome = WorkerOutcome("cancelled", None, "stopped: ray.kill")
 
     def rss_bytes(self) -> int | None:
         return None
