@@ -34,6 +34,7 @@ import contextlib
 import contextvars
 import enum
 import functools
+import importlib.util
 import itertools
 import logging
 import os
@@ -179,6 +180,13 @@ class JobManager:
         if workers > 1 and self.isolation == "inline":
             raise InvalidInput.one("num_workers", "more than 1 needs worker processes; jobs run inline here")
         checked["num_workers"] = workers
+        ray_address = checked.get("ray_address")
+        if ray_address is not None and not (isinstance(ray_address, str) and ray_address):
+            raise InvalidInput.one("ray_address", "a Ray cluster's address, e.g. ray://head:10001, or local")
+        if (ray_address or self.ray_address) and importlib.util.find_spec("ray") is None:
+            raise InvalidInput.one(
+                "ray_address", "Ray is not installed here: pip install 'rollout-buffer[ray]'"
+            )
         return checked
 
     def lock(self, name: str) -> asyncio.Lock:

@@ -22,6 +22,7 @@ import pytest
 
 from buffer.demo import ROOT, free_port, started, wait_ready
 from buffer.hooks import bind_hooks
+from buffer.jobs import MAX_WORKERS
 from buffer.workers.hook_guard import GuardedHook, HookTimeout, guard_hooks
 from buffer.workers.process import group_alive
 
@@ -474,3 +475,17 @@ def test_workers_write_back_to_a_service_that_requires_a_key(tmp_path: Path) -> 
                 time.sleep(0.1)
         assert state["status"] == "succeeded", state
         assert state["counters"]["written"] == 2
+
+
+def test_num_workers_is_checked_before_a_job_starts(
+    make_client: Callable[..., Any], generator_dir: Path
+) -> None:
+    (generator_dir / "exiting_generator.py").write_text(GENERATORS["exiting"])
+    client = make_client(job_isolation="process")
+    for bad in (0, MAX_WORKERS + 1, "two", True):
+        response = client.post("/start_rollout", json={"task_type": "exiting", "num_workers": bad})
+        assert response.status_code == 422, bad
+        assert response.json()["errors"][0]["field"] == "num_workers"
+    inline = make_client()  # the tests' in-process app: no worker processes there
+    response = inline.post("/start_rollout", json={"task_type": "exiting", "num_workers": 2})
+    assert response.status_code == 422
