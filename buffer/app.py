@@ -74,6 +74,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log_level=settings.log_level,
             ray_address=settings.ray_address,
         )
+        buffer.write_observers.append(job_manager.leases.observe)
         if journal is not None:
             await job_manager.resume(registry, enabled=settings.resume_jobs)
         history = History()

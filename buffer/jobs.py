@@ -53,6 +53,7 @@ from buffer.job_policy import JobPolicy
 from buffer.registry import Generator, GeneratorRegistry, where
 from buffer.rollout_buffer import RolloutBuffer
 from buffer.workers import ray_worker
+from buffer.workers.leases import LeaseBoard
 from buffer.workers.process import WorkerOutcome, WorkerProcess
 from buffer.workers.ray_worker import RayWorker
 from buffer.workers.spec import WorkerSpec
@@ -161,6 +162,8 @@ class JobManager:
         self._log_level = log_level
         self._worker_env = _worker_env(api_key)
         self._locks: dict[str, asyncio.Lock] = {}
+        #: Work leases for workers that ask for them (``rollout-buffer worker --leases``).
+        self.leases = LeaseBoard()
         self._buffer = buffer
         self._buffer_url = buffer_url
         self.policy = policy or JobPolicy(input_roots=(Path.cwd(),))

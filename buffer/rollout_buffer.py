@@ -69,6 +69,8 @@ class RolloutBuffer:
         to a task never configured (``configure_task``, or restored) is refused rather than
         grouped by the default settings."""
         self.strict_tasks = strict_tasks
+        #: Called (under the lock: keep it short) with the task and JSON of each new trajectory.
+        self.write_observers: list[Callable[[str, bytes], None]] = []
         self.default_settings = default_settings or TaskSettings()
         self._hooks_for = hooks_for or (lambda task_type: Hooks())
         self._clock = clock
@@ -198,6 +200,8 @@ class RolloutBuffer:
                     header.update(u=record.uid, r=record.reward, at=wall)
                     journal.append(encode(header, [record.raw]))
                 task.add(instance_id, record, now)
+                for observe in self.write_observers:
+                    observe(task.task_type, record.raw)
                 self._written_seq += 1
                 self.recent.append(
                     (self._written_seq, task.task_type, instance_id, record.uid, record.reward, wall)

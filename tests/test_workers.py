@@ -489,3 +489,41 @@ def test_num_workers_is_checked_before_a_job_starts(
     inline = make_client()  # the tests' in-process app: no worker processes there
     response = inline.post("/start_rollout", json={"task_type": "exiting", "num_workers": 2})
     assert response.status_code == 422
+
+
+def test_a_lease_worker_killed_mid_run_has_its_share_made_by_the_other(
+    service: Service, simulated_engine: str, tmp_path: Path
+) -> None:
+    generator = tmp_path / "remote_generator.py"
+    generator.write_text(GENERATORS["toolkit"])
+    data = {
+        "input_file": str(ROOT / "generator" / "data" / "math.jsonl"),
+        "remote_engine_url": simulated_engine,
+        "num_repeat_per_sample": 2,
+        "num_process": 8,
+    }
+    command = [sys.executable, "-m", "buffer", "worker", "--buffer", service.url, "--task", "leased"]
+    command += ["--generator", str(generator), "--data", json.dumps(data), "--num-workers", "2"]
+    command += ["--leases", "--lease-ttl-s", "2"]
+    workers = [
+        subprocess.Popen([*command, "--worker-index", str(index)], cwd=ROOT, env=dict(os.environ))
+        for index in range(2)
+    ]
+
+    def written() -> int:
+        tasks = service.http.get("/buffer/stats").json()["data"]["meta_info"]["tasks"]
+        count: int = tasks.get("leased", {}).get("total_written", 0)
+        return count
+
+    deadline = time.monotonic() + 60
+    while written() < 20:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    workers[0].kill()  # its leased, unwritten items go to the other after 2 s
+    assert workers[1].wait(timeout=120) == 0
+    workers[0].wait()
+    assert written() == 64 * 2  # none made twice
+    items = service.http.post("/get_rollout_data", json={"task_type": "leased"}).json()["data"]["data"]
+    instances = Counter(item["instance_id"] for item in items)
+    assert len(instances) == 64
+    assert set(instances.values()) == {2}

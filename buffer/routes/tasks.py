@@ -79,3 +79,36 @@ async def configure_task(
             "hooks_overridden": sorted(hooks.overridden),
         },
     )
+
+
+class LeaseClaim(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    worker: Annotated[StrictStr, Field(min_length=1, max_length=200)]
+    offer: list[StrictStr] = Field(default_factory=list, max_length=10_000)
+    ttl_s: float = Field(30.0, gt=0, le=3600)
+
+
+class OrphanClaim(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    worker: Annotated[StrictStr, Field(min_length=1, max_length=200)]
+    limit: int = Field(64, ge=0, le=10_000)
+    ttl_s: float = Field(30.0, gt=0, le=3600)
+
+
+@router.post("/{name}/leases")
+async def claim_leases(name: str, body: LeaseClaim, svc: Annotated[Services, Depends(services)]) -> Response:
+    """Grant the worker the offered work items (``epoch|instance_id|repeat``) that nobody holds
+    and none has made; renew its leases (an empty offer is a heartbeat)."""
+    granted = svc.jobs.leases.claim(name, body.worker, body.offer, body.ttl_s)
+    return envelope(True, f"{len(granted)} granted", {"granted": granted})
+
+
+@router.post("/{name}/leases/orphans")
+async def claim_orphans(
+    name: str, body: OrphanClaim, svc: Annotated[Services, Depends(services)]
+) -> Response:
+    """Grant the worker items whose worker stopped renewing them; and how many others hold."""
+    granted, held_by_others = svc.jobs.leases.orphans(name, body.worker, body.limit, body.ttl_s)
+    return envelope(True, f"{len(granted)} granted", {"granted": granted, "held_by_others": held_by_others})

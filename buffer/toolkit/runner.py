@@ -25,7 +25,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -205,6 +205,7 @@ async def run_rollouts(
     run = _Run(
         settings, progress, sink, functools.partial(rollout, llm, **settings.sampling()), reward, group_reward
     )
+    run.leases = data.get("leases")
     publish = functools.partial(_publish, progress, llm.stats, llm.stats.copy())
     reporter = asyncio.create_task(
         _report(progress, settings.progress_interval_s, publish), name="rollout-progress"
@@ -242,6 +243,7 @@ class _Run:
         self.group_reward = _as_async(group_reward) if group_reward is not None else None
         self.sampling = settings.sampling()
         self.groups: dict[tuple[int, Any], list[tuple[Sample, Episode | BaseException]]] = {}
+        self.leases: dict[str, Any] | None = None  # work leases from the buffer (data["leases"])
 
     async def all(self, plan: Plan) -> None:
         slots = asyncio.Semaphore(self.settings.num_process)
@@ -252,7 +254,7 @@ class _Run:
             slots.release()
 
         try:
-            for sample in plan:
+            async for sample in _samples(plan, self.settings.task_type, self.leases):
                 await slots.acquire()
                 self.progress.started += 1
                 task = asyncio.create_task(self.one(sample))
@@ -380,6 +382,19 @@ def _as_async(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
         return await result if inspect.isawaitable(result) else result
 
     return in_thread
+
+
+async def _samples(plan: Plan, task_type: str, leases: dict[str, Any] | None) -> AsyncIterator[Sample]:
+    """The plan's samples; with ``leases`` (a worker of ``rollout-buffer worker --leases``),
+    those the buffer grants this worker (``buffer.workers.leases``)."""
+    if leases is None:
+        for sample in plan:
+            yield sample
+        return
+    from buffer.workers.leases import leased
+
+    async for sample in leased(list(plan), {"task_type": task_type, **leases}):
+        yield sample
 
 
 def _worker_share(data: dict[str, Any]) -> tuple[int, int]:

@@ -6,7 +6,8 @@ deduplicated by ``uid``, slowed by 429s; the key from ``ROLLOUT_BUFFER_API_KEY``
 ``--no-configure``, the task is configured first (``PUT /tasks/{name}``) with the data's group
 size and timeout, so its groups fill as the generator means them to, even with a buffer run
 with ``--strict-tasks``. ``--worker-index``/``--num-workers`` split the plan between several
-such workers, as a job's workers split it.
+such workers, as a job's workers split it; with ``--leases`` the buffer hands the work out
+instead (``buffer.workers.leases``), so the share of a worker that stops is made by the others.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,14 +51,25 @@ def main(argv: Sequence[str]) -> int:
     data.setdefault("generator_task_type", args.task)
     if args.configure:
         _configure(buffer, args.task, data)
+    index, count = args.worker_index, args.num_workers
+    if args.leases:  # the buffer hands out the work: every worker walks the whole plan
+        name = f"{socket.gethostname()}-{os.getpid()}"
+        data["leases"] = {
+            "url": buffer,
+            "worker": name,
+            "ttl_s": args.lease_ttl_s,
+            "index": index,
+            "count": count,
+        }
+        index, count = 0, 1
     spec = WorkerSpec(
         job_id=f"worker-{os.getpid()}",
         task_type=args.task,
         generator_file=str(Path(args.generator).resolve()),
         data=data,
         buffer_url=buffer,
-        index=args.worker_index,
-        count=args.num_workers,
+        index=index,
+        count=count,
         log_level=args.log_level,
     )
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -80,6 +93,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--worker-index", type=int, default=0, help="which of --num-workers this is")
     parser.add_argument("--num-workers", type=int, default=1, help="how many workers share the plan")
+    parser.add_argument(
+        "--leases",
+        action="store_true",
+        help="take work from the buffer as leases: a worker that stops has its share made by the others "
+        "(toolkit generators)",
+    )
+    parser.add_argument(
+        "--lease-ttl-s", type=float, default=30.0, help="a worker silent this long loses its leases"
+    )
     parser.add_argument(
         "--configure",
         action=argparse.BooleanOptionalAction,
