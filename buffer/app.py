@@ -27,7 +27,19 @@ from buffer.models import TRAJECTORY, invalid_input
 from buffer.registry import GeneratorRegistry
 from buffer.responses import envelope
 from buffer.rollout_buffer import RolloutBuffer
-from buffer.routes import dashboard, docs, export, jobs, metrics, rollout, service, tail, trajectories, writes
+from buffer.routes import (
+    dashboard,
+    docs,
+    export,
+    jobs,
+    metrics,
+    rollout,
+    service,
+    tail,
+    tasks,
+    trajectories,
+    writes,
+)
 from buffer.security import (
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
@@ -47,7 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        registry = GeneratorRegistry(settings.generator_dir)
+        registry = GeneratorRegistry(settings.generator_dir, hook_timeout_s=settings.hook_timeout_s)
         await asyncio.to_thread(registry.refresh)
         buffer = RolloutBuffer(
             settings.default_task_settings(),
@@ -56,11 +68,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             max_buffered=settings.max_buffered_trajectories,
             max_tasks=settings.max_tasks,
             one_group_per_instance=settings.one_group_per_instance,
+            strict_tasks=settings.strict_tasks,
         )
         journal = None if settings.data_dir is None else await asyncio.to_thread(_restore, buffer, settings)
         ready = ReadySignal()
         buffer.add_listener(ready.notify)
-        job_manager = JobManager(buffer, local_url(settings), policy=JobPolicy.from_settings(settings))
+        job_manager = JobManager(
+            buffer,
+            local_url(settings),
+            policy=JobPolicy.from_settings(settings),
+            isolation=settings.job_isolation,
+            grace_s=settings.worker_grace_s,
+            api_key=required_key(settings),
+            log_level=settings.log_level,
+            ray_address=settings.ray_address,
+        )
+        buffer.write_observers.append(job_manager.leases.observe)
         if journal is not None:
             await job_manager.resume(registry, enabled=settings.resume_jobs)
         history = History()
@@ -90,7 +113,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="rollout-buffer", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.router.routes[:0] = writes.ROUTES  # first: matched before any other route is tried
-    for module in (rollout, trajectories, export, jobs, service, metrics, dashboard, tail, docs):
+    for module in (rollout, trajectories, export, jobs, tasks, service, metrics, dashboard, tail, docs):
         app.include_router(module.router)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(BrowserGuardMiddleware, allowed_origins=settings.allowed_origins)

@@ -5,6 +5,7 @@
     rollout-buffer status              a running buffer's tasks, jobs and rates, once
     rollout-buffer tail                follow the trajectories as they are written
     rollout-buffer check DIR [--repair] check a data folder, and salvage what can be read
+    rollout-buffer worker --buffer URL --task NAME --generator FILE   run a generator for a buffer elsewhere
 
 Each subcommand is one ``Command`` in ``COMMANDS``: its flags are added by one function and it is
 run by another, so a new one is one entry. The service's flags are made from ``Settings`` itself:
@@ -283,6 +284,18 @@ def _run_check(namespace: argparse.Namespace) -> int:
     return datacheck.run(namespace.data_dir, repair=namespace.repair)
 
 
+def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    from buffer.workers import remote  # a generator for a buffer elsewhere: no server code
+
+    remote.add_arguments(parser)
+
+
+def _run_worker(namespace: argparse.Namespace) -> int:
+    from buffer.workers import remote
+
+    return remote.run(namespace)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command("serve", "run the rollout buffer service (the default)", add_serve_arguments, serve),
     Command(
@@ -293,4 +306,5 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command("tail", "follow the trajectories a running buffer receives", _add_tail_arguments, _run_console),
     Command("check", "check a data folder, and with --repair salvage it", _add_check_arguments, _run_check),
+    Command("worker", "run a generator here for a buffer elsewhere", _add_worker_arguments, _run_worker),
 )

@@ -64,13 +64,19 @@ class RolloutBuffer:
         max_buffered: int = 0,
         max_tasks: int = 0,
         one_group_per_instance: bool = True,
+        strict_tasks: bool = False,
     ) -> None:
         """``hooks_for`` gives the hooks of a task first met through a write, or restored,
         by the name of its generator; ``dedup_window`` bounds how many uids of trajectories no
         longer buffered are remembered; a write that would take the trajectories held past
         ``max_buffered`` (0: no limit) by opening groups raises ``BufferFull``; a write or a
         start that would create a task past ``max_tasks`` (0: no limit) raises ``TooManyTasks``;
-        ``one_group_per_instance``: a read returns at most one group of each ``instance_id``."""
+        ``one_group_per_instance``: a read returns at most one group of each ``instance_id``;
+        with ``strict_tasks`` a write to a task never configured (``configure_task``, or
+        restored) is refused rather than grouped by the default settings."""
+        self.strict_tasks = strict_tasks
+        #: Called (under the lock: keep it short) with the task and JSON of each new trajectory.
+        self.write_observers: list[Callable[[str, bytes], None]] = []
         self.default_settings = default_settings or TaskSettings()
         self._hooks_for = hooks_for or (lambda task_type: Hooks())
         self._clock = clock
@@ -221,6 +227,8 @@ class RolloutBuffer:
                     header.update(u=record.uid, r=record.reward, at=wall)
                     journal.append(encode(header, [record.raw]))
                 task.add(instance_id, record, now)
+                for observe in self.write_observers:
+                    observe(task.task_type, record.raw)
                 self._written_seq += 1
                 self.recent.append(
                     (self._written_seq, task.task_type, instance_id, record.uid, record.reward, wall)
@@ -236,6 +244,9 @@ class RolloutBuffer:
     def _prepare(self, prefix: str, item: Mapping[str, Any]) -> tuple[TaskBuffer, InstanceId, Record]:
         task_type = item.get("task_type") or self._current_task
         if task_type not in self._tasks:  # checked here, not in _task: a restore creates what it finds
+            if self.strict_tasks:
+                reason = f"no task {task_type!r} is configured: PUT /tasks/{{name}} or /start_rollout first"
+                raise InvalidInput.one(prefix + "task_type", reason)
             self._check_task_room(prefix + "task_type", task_type)
         task = self._task(task_type)
         reward = item["reward"]

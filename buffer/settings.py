@@ -141,6 +141,27 @@ class Settings(BaseSettings):
         description="hosts a job's remote_buffer_url may name to be sent this service's own API key; "
         "default: none (a client naming another buffer sends its key as buffer_api_key)",
     )
+    job_isolation: Literal["process", "inline"] = Field(
+        "process",
+        description="process: each job's generator runs in worker processes of its own, which "
+        "cannot stop or slow the service; inline: in the service's process (debugging)",
+    )
+    worker_grace_s: float = Field(
+        5.0, ge=0, description="a cancelled job's workers get SIGTERM, then SIGKILL after this long"
+    )
+    ray_address: str | None = Field(
+        None,
+        description="run each job's workers as Ray actors on this cluster (e.g. ray://head:10001, auto, "
+        "or local for a Ray instance of the service's own); needs the ray extra",
+    )
+    hook_timeout_s: float = Field(
+        2.0, gt=0, description="a generator's hook (is_valid_group, ...) that runs longer fails its group"
+    )
+    strict_tasks: CliImplicitFlag[bool] = Field(
+        False,
+        description="refuse (422) writes to a task no /start_rollout or PUT /tasks/{name} configured, "
+        "instead of grouping them by --group-size",
+    )
     api_key: SecretStr | None = Field(
         None,
         description="require 'Authorization: Bearer <key>' on every endpoint but GET / and /health; "

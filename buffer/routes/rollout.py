@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from buffer.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE
 from buffer.models import GetRolloutDataRequest, StartRolloutRequest, check_storable
+from buffer.registry import Generator
 from buffer.responses import items_response, json_response
 from buffer.services import Services, local_url, services
 from buffer.task import TaskSettings
@@ -29,6 +30,11 @@ async def start_rollout(body: StartRolloutRequest, svc: Annotated[Services, Depe
     await asyncio.to_thread(svc.registry.refresh)  # pick up new and edited generator files
     generator = svc.registry.get(body.task_type)
     name = body.rollout_name or body.task_type
+    async with svc.jobs.lock(name):
+        return await _start(body, generator, name, svc)
+
+
+async def _start(body: StartRolloutRequest, generator: Generator, name: str, svc: Services) -> Response:
     running = svc.jobs.running(name)
     if running is None or body.restart:
         settings = _task_settings(body, svc.settings.default_task_settings())

@@ -25,7 +25,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any
 
@@ -231,6 +231,7 @@ async def run_rollouts(
         shuffle=settings.shuffle,
         skip_instance_ids=settings.skip_instance_ids,
         resume=ResumePoint.from_json(settings.resume) if settings.resume else None,
+        share=_worker_share(data),
     )
     progress = Progress(settings.task_type, plan.total())
     own_sink = sink is None
@@ -249,6 +250,7 @@ async def run_rollouts(
     run = _Run(
         settings, progress, sink, functools.partial(rollout, llm, **settings.sampling()), reward, group_reward
     )
+    run.leases = data.get("leases")
     publish = functools.partial(_publish, progress, llm.stats, llm.stats.copy())
     reporter = asyncio.create_task(
         _report(progress, settings.progress_interval_s, publish), name="rollout-progress"
@@ -328,6 +330,7 @@ class _Run:
         self.fatal: MisconfiguredEngine | None = None
         self.tasks: set[asyncio.Task[None]] = set()
         self.failure_kinds: set[str] = set()  # each kind of failure is logged once, with its reason
+        self.leases: dict[str, Any] | None = None  # work leases from the buffer (data["leases"])
 
     async def all(self, plan: Plan) -> None:
         slots = asyncio.Semaphore(self.settings.num_process)
@@ -338,7 +341,7 @@ class _Run:
             slots.release()
 
         try:
-            for sample in plan:
+            async for sample in _samples(plan, self.settings.task_type, self.leases):
                 await slots.acquire()
                 if self.fatal is not None:
                     break
@@ -507,6 +510,25 @@ def _as_async(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
         return await result if inspect.isawaitable(result) else result
 
     return in_thread
+
+
+async def _samples(plan: Plan, task_type: str, leases: dict[str, Any] | None) -> AsyncIterator[Sample]:
+    """The plan's samples; with ``leases`` (a worker of ``rollout-buffer worker --leases``),
+    those the buffer grants this worker (``buffer.workers.leases``)."""
+    if leases is None:
+        for sample in plan:
+            yield sample
+        return
+    from buffer.workers.leases import leased
+
+    async for sample in leased(list(plan), {"task_type": task_type, **leases}):
+        yield sample
+
+
+def _worker_share(data: dict[str, Any]) -> tuple[int, int]:
+    """Which worker process of the job this is (the service sets ``data["worker"]``)."""
+    worker = data.get("worker") or {}
+    return int(worker.get("index", 0)), max(1, int(worker.get("count", 1)))
 
 
 async def _report(progress: Progress, interval_s: float, publish: Callable[[], None]) -> None:
