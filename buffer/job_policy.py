@@ -9,7 +9,8 @@ the operator did not allow:
   if it exists: no ``/etc/...`` read back through an evaluation rollout, no ``/dev/zero`` read
   until memory runs out. The job gets the resolved path (one that does not exist yet is
   passed on: the generator reports it, or has a use of its own for the name).
-- every URL (a field named ``*_url``, or ``*_urls`` holding a list) must be http(s), and with
+- every URL (a field named ``*_url``, or ``*_urls`` holding a list; a ``*_url`` may hold a
+  list too: ``remote_engine_url`` naming an engine pool) must be http(s), and with
   ``engine_hosts`` set, name one of those hosts or this service itself. Unset, any host is
   allowed (slime's trainers name their engines freely), with a warning at start-up when the
   service listens beyond this machine.
@@ -79,9 +80,9 @@ class JobPolicy:
         if input_file is not None:
             checked["input_file"] = str(self._input_file(input_file))
         for field, value in data.items():
-            if field.endswith("_url"):
+            if field.endswith("_url") and not isinstance(value, list):
                 self._url(field, value, service_url)
-            elif field.endswith("_urls") and isinstance(value, list):
+            elif field.endswith(("_url", "_urls")) and isinstance(value, list):
                 for index, url in enumerate(value):
                     self._url(f"{field}.{index}", url, service_url)
         return checked

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, NotRequired, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -29,8 +29,9 @@ from pydantic import (
     field_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
-from typing_extensions import NotRequired, TypedDict
+from typing_extensions import TypedDict
 
+from buffer import storable
 from buffer.encoding import INT64_MAX, INT64_MIN
 from buffer.errors import InvalidInput
 
@@ -41,8 +42,10 @@ _N = TypeVar("_N", int, int | None)
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 FiniteNumber = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+#: A number in a request's settings: finite (``Infinity`` and ``NaN`` would reach the journal as null).
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 InstanceId = Annotated[StrictStr, Field(min_length=1)] | Annotated[Int64, Strict()]
-Ratio = Annotated[float, Field(ge=0, le=1)]
+Ratio = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 #: A token id as engines use them: a non-negative 32-bit integer (the trainer's tensors are int32 or int64).
 #: The range is checked after the single pass, a list at a time (`_first_bad_id`): pydantic's per-item
 #: bounds cost more than parsing the ids (60 us against 23 us for 1,200 ids).
@@ -266,12 +269,14 @@ class StartRolloutRequest(BaseModel):
     num_process: Int64 | None = Field(None, ge=1, description="trajectories in flight")
     num_epoch: Int64 | None = Field(None, ge=1)
     max_tokens: Int64 | None = Field(None, ge=1)
-    group_timeout_seconds: float | None = Field(None, gt=0)
+    group_timeout_seconds: FiniteFloat | None = Field(None, gt=0)
     min_valid_group_size_ratio: Ratio = 1.0
     min_valid_item_size_ratio: Ratio = 0.7
     min_timeout_group_size_ratio: Ratio = 0.7
     skip_instance_ids: list[InstanceId] | None = None
-    remote_engine_url: str | None = None
+    remote_engine_url: str | Annotated[list[StrictStr], Field(min_length=1)] | None = Field(
+        None, description="the policy server's URL, or a list of them: a pool the generator spreads load over"
+    )
     remote_buffer_url: str | None = None
     input_file: str | None = None
     sampling_params: dict[str, Any] | None = None
@@ -296,7 +301,7 @@ class GetRolloutDataRequest(BaseModel):
     task_type: str | None = Field(
         None, description="only this task's groups; default all tasks, oldest first"
     )
-    wait_s: float = Field(0.0, ge=0, le=300, description="wait up to this long for a group to be ready")
+    wait_s: FiniteFloat = Field(0.0, ge=0, le=300, description="wait up to this long for a group to be ready")
 
     @field_validator("batch_size")
     @classmethod
@@ -310,7 +315,7 @@ class ReadRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     batch_size: int = Field(-1, ge=-1)
-    timeout: float = Field(0.0, ge=0, le=300)
+    timeout: FiniteFloat = Field(0.0, ge=0, le=300)
     wait: bool = False
     task_type: str | None = None
 
@@ -324,6 +329,16 @@ def _batch_size(value: _N) -> _N:
     if value == 0:
         raise ValueError("must be -1 (everything ready) or at least 1")
     return value
+
+
+def check_storable(request: BaseModel) -> None:
+    """Refuse a request holding a value the journal cannot keep as it is (``Infinity`` in
+    ``sampling_params``, an integer beyond 64 bits, a lone surrogate, deep nesting), naming
+    the field: extra fields are taken as they come, and start a generator that is journaled."""
+    found = storable.problem_at(request.model_dump())
+    if found is not None:
+        path, reason = found
+        raise InvalidInput.one(storable.field_name(path), reason)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}

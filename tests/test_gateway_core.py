@@ -44,7 +44,7 @@ def test_an_sdk_resending_a_reply_with_its_own_fields_still_continues_it() -> No
 def test_the_trajectory_follows_the_path_that_ended() -> None:
     from buffer.gateway.sessions import Session
 
-    session = Session("s", "agent", "q", "http://e", "k", 60.0, "discard", 0.0, 0.0)
+    session = Session("s", "agent", "q", ["http://e"], "k", 60.0, "discard", 0.0, 0.0)
     tool = {"role": "tool", "tool_call_id": "call_1", "content": "5"}
     answer = {"role": "assistant", "content": "5", "reasoning_content": "easy"}
     session.calls = [
@@ -150,7 +150,7 @@ def test_a_large_image_is_kept_by_reference_and_a_huge_one_refused(tmp_path: Pat
 def test_an_engine_without_token_ids_leaves_the_trajectory_text_only() -> None:
     from buffer.gateway.sessions import Session
 
-    session = Session("s", "agent", "q", "http://e", "k", 60.0, "discard", 0.0, 0.0)
+    session = Session("s", "agent", "q", ["http://e"], "k", 60.0, "discard", 0.0, 0.0)
     session.calls = [Call([USER], None, {}, {"role": "assistant", "content": "5"}, "stop", None, None, 0.0)]
     trajectory = assemble(session, 1.0)
     assert "turns" not in trajectory

@@ -3,8 +3,8 @@
 The request goes to the engine as the agent wrote it (tools, images, sampling fields, any
 extension), with the toolkit's capture fields added (``engines.chat_capture_fields``) and
 ``stream: false``; the answer's ids and logprobs are read by the toolkit's reader
-(``engines.chat_tokens``). The HTTP client is the toolkit's ``EngineClient`` (one shared pool,
-retries of transport errors, 429 and 5xx).
+(``engines.chat_tokens``). The HTTP client is the toolkit's ``EngineClient`` on one shared
+aiohttp transport (its engine pool, retries of transport errors, 429 and 5xx).
 
 Streaming. SGLang refuses its token fields with ``stream: true``, and a stream's ids arrive
 split over chunks where an engine sends them at all; so a streamed request is made upstream
@@ -16,25 +16,52 @@ tool call, the finish reason, the usage when ``stream_options.include_usage`` as
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import httpx
 import orjson
 
 from buffer.toolkit.engines import AnswerShapeError, Engine, chat_capture_fields, chat_tokens
-from buffer.toolkit.llm import EngineClient, LLMError, engine_base_url
+from buffer.toolkit.llm import EngineClient, LLMError, RetryPolicy, engine_base_url
+from buffer.toolkit.pool import routing_key
+from buffer.toolkit.transport import AiohttpTransport, HttpxTransport, Transport
 from buffer.toolkit.types import TokenCapture
 
 #: Fields of the answer that only the capture asked for: dropped unless the agent asked too.
 _CAPTURE_ANSWER_FIELDS = ("prompt_token_ids", "token_ids", "meta_info")
 
 
-class EngineProxy(EngineClient):
-    """The gateway's client to the engines (any number of them: the URL is per call)."""
+class _Engines(EngineClient):
+    """The engines of one set of URLs (a pool when there are several), on the shared transport."""
 
-    def __init__(self, *, engine: Engine = "auto", **client: Any) -> None:
-        super().__init__(**client)
+    def __init__(self, urls: Sequence[str], transport: Transport, retry: RetryPolicy) -> None:
+        super().__init__(transport=transport, retry=retry)
+        self._engines(list(urls), lambda url: engine_base_url(url) + "/chat/completions")
+
+
+class EngineProxy:
+    """The gateway's client to the engines: one aiohttp transport, and one toolkit client (with
+    its pool, retries and counting) per set of engine URLs that sessions name. A session's calls
+    carry its id as the routing key, so they stick to one engine of a pool: its prefix cache."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine = "auto",
+        transport: httpx.AsyncBaseTransport | Transport | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
         self.engine = engine
+        if transport is None:
+            self._transport: Transport = AiohttpTransport()
+        elif isinstance(transport, httpx.AsyncBaseTransport):
+            self._transport = HttpxTransport(transport)
+        else:
+            self._transport = transport
+        self._retry = retry or RetryPolicy(max_retry_s=60.0)
+        self._clients: dict[tuple[str, ...], _Engines] = {}
+        self._http: httpx.AsyncClient | None = None  # for the rare GET /v1/models
 
     def upstream_body(self, body: dict[str, Any]) -> dict[str, Any]:
         upstream = {key: value for key, value in body.items() if key not in ("stream", "stream_options")}
@@ -43,14 +70,34 @@ class EngineProxy(EngineClient):
             upstream.setdefault(key, value)
         return upstream
 
-    async def chat(self, engine_url: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _client(self, urls: Sequence[str]) -> _Engines:
+        key = tuple(urls)
+        client = self._clients.get(key)
+        if client is None:
+            client = self._clients[key] = _Engines(key, self._transport, self._retry)
+        return client
+
+    async def chat(self, urls: Sequence[str], body: dict[str, Any], key: str) -> dict[str, Any]:
         """The engine's answer to ``body`` (an upstream body), after any retries; ``LLMError``."""
-        answer, _ = await self._post(engine_base_url(engine_url) + "/chat/completions", body)
+        token = routing_key.set(key)
+        try:
+            answer, _ = await self._client(urls)._post(body)
+        finally:
+            routing_key.reset(token)
         return answer
 
-    async def models(self, engine_url: str) -> tuple[int, bytes]:
-        response = await self._client.get(engine_base_url(engine_url) + "/models", headers=self._headers)
+    async def models(self, urls: Sequence[str]) -> tuple[int, bytes]:
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=30.0, trust_env=False)
+        response = await self._http.get(engine_base_url(urls[0]) + "/models")
         return response.status_code, response.content
+
+    async def aclose(self) -> None:
+        for client in self._clients.values():
+            await client.pool.aclose()
+        await self._transport.aclose()
+        if self._http is not None:
+            await self._http.aclose()
 
 
 def capture(answer: dict[str, Any]) -> tuple[dict[str, Any], str, TokenCapture | None]:

@@ -16,7 +16,6 @@ the agent's SDK retries it. The gate is optional: ``PauseGate`` is the hook.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import secrets
 import time
@@ -109,7 +108,6 @@ class Gateway:
         self.pause_gate = pause_gate
         self.store = SessionStore()
         self._clock = clock
-        self._turn = itertools.count()
         buffer.add_extension(EVENT_KIND, self.store)  # before a restore, to replay the sessions
 
     # -- sessions ----------------------------------------------------------------------
@@ -125,13 +123,12 @@ class Gateway:
     ) -> Session:
         job = self.buffer.jobs.get(task_type, {}).get("data", {})
         engines = await self._engines(remote_engine_url, job)
-        engine = engines[next(self._turn) % len(engines)]  # sticky per session: its prefix cache
         now = self._clock()
         session = Session(
             session_id=uuid.uuid4().hex,
             task_type=task_type,
             instance_id=instance_id,
-            engine_url=engine,
+            engine_urls=engines,
             api_key="sk-session-" + secrets.token_urlsafe(24),
             timeout_s=timeout_s or _positive(job.get("session_timeout_s")) or self.config.timeout_s,
             on_timeout=on_timeout or _on_timeout(job.get("session_on_timeout")) or self.config.on_timeout,
@@ -141,7 +138,7 @@ class Gateway:
         )
         self.buffer.log_event(session.open_header())
         await self.buffer.wait_durable()
-        logger.info("session %s (%s, %r) on %s", session.session_id, task_type, instance_id, engine)
+        logger.info("session %s (%s, %r) on %s", session.session_id, task_type, instance_id, engines)
         return session
 
     async def _engines(self, requested: str | list[str] | None, job: dict[str, Any]) -> list[str]:
@@ -179,7 +176,8 @@ class Gateway:
         kept, files = self.images.keep(messages)
         if files:
             await asyncio.to_thread(write_files, files)
-        answer = await self.proxy.chat(session.engine_url, self.proxy.upstream_body(body))
+        upstream = self.proxy.upstream_body(body)
+        answer = await self.proxy.chat(session.engine_urls, upstream, key=session.session_id)
         reply, finish_reason, tokens = capture(answer)
         if self.store.get(session.session_id) is not session:
             raise UnknownSession(session.session_id)  # ended while the engine answered

@@ -69,7 +69,7 @@ class Session:
     session_id: str
     task_type: str
     instance_id: str | int
-    engine_url: str
+    engine_urls: list[str]  # one engine, or a pool
     api_key: str
     timeout_s: float
     on_timeout: OnTimeout
@@ -90,7 +90,7 @@ class Session:
             "id": self.session_id,
             "t": self.task_type,
             "i": self.instance_id,
-            "engine": self.engine_url,
+            "engine": self.engine_urls,
             "key": self.api_key,
             "timeout_s": self.timeout_s,
             "on_timeout": self.on_timeout,
@@ -117,7 +117,7 @@ class SessionStore:
                 header["id"],
                 header["t"],
                 header["i"],
-                header["engine"],
+                header["engine"] if isinstance(header["engine"], list) else [header["engine"]],
                 header["key"],
                 header["timeout_s"],
                 header["on_timeout"],

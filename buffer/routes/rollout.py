@@ -10,7 +10,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from buffer.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE
-from buffer.models import GetRolloutDataRequest, StartRolloutRequest
+from buffer.models import GetRolloutDataRequest, StartRolloutRequest, check_storable
+from buffer.registry import Generator
 from buffer.responses import items_response, json_response
 from buffer.services import Services, local_url, services
 from buffer.task import TaskSettings
@@ -25,9 +26,15 @@ async def start_rollout(body: StartRolloutRequest, svc: Annotated[Services, Depe
     A task already running answers with its running job unless the payload says
     ``"restart": true``.
     """
+    check_storable(body)  # before anything starts: the job's data is journaled as it came
     await asyncio.to_thread(svc.registry.refresh)  # pick up new and edited generator files
     generator = svc.registry.get(body.task_type)
     name = body.rollout_name or body.task_type
+    async with svc.jobs.lock(name):
+        return await _start(body, generator, name, svc)
+
+
+async def _start(body: StartRolloutRequest, generator: Generator, name: str, svc: Services) -> Response:
     running = svc.jobs.running(name)
     if running is None or body.restart:
         settings = _task_settings(body, svc.settings.default_task_settings())
@@ -93,6 +100,7 @@ async def get_rollout_data(
 ) -> Response:
     """Take ready groups, whole and oldest first. Nothing ready is a 200 with ``success: false``."""
     body = body or GetRolloutDataRequest()
+    check_storable(body)
     svc.check_task(body.task_type)
     if body.wait_s and not await svc.wait_for_items(request, body.task_type, 1, body.wait_s):
         return Response(status_code=499)  # the client has gone: read nothing it would lose

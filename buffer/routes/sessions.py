@@ -174,7 +174,7 @@ async def models(
 ) -> Response:
     gateway = _gateway(request)
     session = gateway.session(session_id, authorization, agent=True)
-    status, content = await gateway.proxy.models(session.engine_url)
+    status, content = await gateway.proxy.models(session.engine_urls)
     return Response(content, status_code=status, media_type="application/json")
 
 
