@@ -468,3 +468,37 @@ def test_a_session_takes_its_engine_and_timeout_from_its_task(make_client: Any, 
     assert gateway.expire() == 1
     (trajectory,) = read_all(client)
     assert trajectory["messages"][-1]["content"] == "Hello."
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_an_sdk_agent_through_the_gateway_against_the_simulator(
+    make_client: Any, process: Any, dialect: str
+) -> None:
+    """The simulated engine with a real tokenizer and ChatML template: the trained sample is its
+    prompts and samples, one branch, masked and logprobbed exactly."""
+    simulator = process(
+        "-m",
+        "buffer.simulator",
+        "--engine",
+        dialect,
+        "--served-model-name",
+        "policy",
+        "--latency-mean-s",
+        "0.01",
+        name="sim",
+    )
+    client = make_client(group_size=2)
+    session = open_session(client, simulator)
+    answer = calculator_agent(sdk(client, session), "Compute 3 * (4 + 5).", stream=True)
+    assert "27" in answer
+    client.post(f"/sessions/{session['session_id']}/end", json={"reward": 1.0})
+    (trajectory,) = read_all(client)
+    turns = trajectory["turns"]
+    assert len(turns) == 2
+    assert turns[0]["finish_reason"] == "tool_calls"
+    calls = [
+        {"prompt_ids": t["prompt_ids"], "output_ids": t["output_ids"], "logprobs": t["output_logprobs"]}
+        for t in turns
+    ]
+    assert_token_faithful(trajectory, calls)  # the second prompt extends the first prompt and reply
