@@ -304,9 +304,15 @@ def test_a_session_never_ended_times_out_as_its_task_says(make_client: Any, engi
         client.post(f"/sessions/{session['session_id']}/reward", json={"reward": 0.5})
     clock = gateway._clock
     gateway._clock = lambda: clock() + 61
-    assert [s["instance_id"] for s in client.get("/sessions").json()["data"]["open"]] == ["kept", "dropped"]
+    assert [s["instance_id"] for s in client.get("/gateway/sessions").json()["data"]["open"]] == [
+        "kept",
+        "dropped",
+    ]
     assert gateway.expire() == 2
-    assert client.get("/sessions").json()["data"] == {"open": [], "closed": {"written": 1, "discarded": 1}}
+    assert client.get("/gateway/sessions").json()["data"] == {
+        "open": [],
+        "closed": {"written": 1, "discarded": 1},
+    }
     (trajectory,) = read_all(client, "kept")
     assert trajectory["instance_id"] == "kept"
     assert gateway.store.closed == {"written": 1, "discarded": 1}

@@ -81,7 +81,7 @@ async def open_session(body: OpenSession, request: Request) -> Response:
     )
 
 
-@router.get("/sessions")
+@router.get("/gateway/sessions")
 async def list_sessions(request: Request) -> Response:
     """The open sessions (task, instance, calls, age) and how many were written or discarded."""
     store = _gateway(request).store
