@@ -5,8 +5,9 @@ answers, a calculator tool): nothing in it knows about RL. ``run_rollout`` runs 
 fresh gateway session per sample (``gateway_session``), which records every call with its
 token ids, and scores the answer; ending the session writes the trajectory to its group.
 
-The ``openai`` package is one of the project's base dependencies today; an install without it
-needs ``pip install openai`` for this generator.
+It needs the ``openai`` package: ``pip install 'rollout-buffer[openai]'`` (the ``dev`` extra has
+it too). Without it the service lists this file's import error under ``GET /generators`` and
+runs the others.
 """
 
 import asyncio
