@@ -23,7 +23,6 @@ buffer sends that buffer's key itself (``buffer_api_key``).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 import stat
@@ -34,6 +33,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from buffer.errors import InvalidInput
+from buffer.security import is_loopback
 from buffer.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class JobPolicy:
             _hosts(settings.allowed_engine_hosts) if settings.allowed_engine_hosts is not None else None,
             _hosts(settings.send_api_key_to),
         )
-        if policy.engine_hosts is None and not _is_loopback(settings.host):
+        if policy.engine_hosts is None and not is_loopback(settings.host):
             logger.warning(
                 "listening on %s: a client may make generator jobs call any host it names "
                 "(remote_engine_url, reward model URLs); name the hosts allowed with "
@@ -125,12 +125,3 @@ class JobPolicy:
 
 def _hosts(names: Iterable[str]) -> frozenset[str]:
     return frozenset(name.strip().lower().strip("[]") for name in names if name.strip())
-
-
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -56,6 +56,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from buffer import storable
 from buffer.errors import InvalidInput, StorageFailed
 
 logger = logging.getLogger(__name__)
@@ -122,27 +123,10 @@ def encode(header: dict[str, Any], parts: Sequence[bytes] = ()) -> bytes:
 
 def refuse_non_finite(value: Any, prefix: str = "") -> None:
     """Raise ``InvalidInput`` naming the first float in ``value`` that is inf or nan."""
-    where = non_finite_at(value)
+    where = storable.non_finite_at(value)
     if where is not None:
         field = ".".join(str(part) for part in (*([prefix] if prefix else []), *where))
         raise InvalidInput.one(field, "must be a finite number (the data folder cannot keep inf or nan)")
-
-
-def non_finite_at(value: Any, path: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
-    """Where the first float that is inf or nan is, or None."""
-    if isinstance(value, float):
-        return None if math.isfinite(value) else path
-    if isinstance(value, dict):
-        children: Iterable[tuple[str | int, Any]] = value.items()
-    elif isinstance(value, (list, tuple)):
-        children = enumerate(value)
-    else:
-        return None
-    for key, child in children:
-        found = non_finite_at(child, (*path, key))
-        if found is not None:
-            return found
-    return None
 
 
 def split(record: bytes) -> tuple[str, memoryview]:

@@ -75,10 +75,12 @@ class JsonFormatter(logging.Formatter):
             entry["traceback"] = record.exc_text
         if record.stack_info:
             entry["stack"] = self.formatStack(record.stack_info)
+        # A name with a leading underscore is a library's own (Ray's log-record factory adds
+        # ``_ray_timestamp_ns`` to every record once imported), not an ``extra`` of the caller.
         extras = {
             key: value
             for key, value in record.__dict__.items()
-            if key not in _RECORD_FIELDS and key not in entry
+            if key not in _RECORD_FIELDS and key not in entry and not key.startswith("_")
         }
         try:
             return orjson.dumps({**entry, **extras}, default=repr, option=orjson.OPT_NON_STR_KEYS).decode()

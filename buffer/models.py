@@ -34,6 +34,7 @@ from typing_extensions import TypedDict
 from buffer import storable
 from buffer.encoding import INT64_MAX, INT64_MIN
 from buffer.errors import InvalidInput
+from buffer.task import TaskSettings
 
 _T = TypeVar("_T")
 _N = TypeVar("_N", int, int | None)
@@ -259,20 +260,41 @@ def parse_json(adapter: TypeAdapter[_T], body: bytes) -> _T:
         raise invalid_input(exc.errors(include_url=False, include_input=False)) from None
 
 
-class StartRolloutRequest(BaseModel):
+class TaskGrouping(BaseModel):
+    """How a task groups and judges what is written to it: the fields ``/start_rollout`` and
+    ``PUT /tasks/{name}`` share, and the ``TaskSettings`` they make."""
+
+    num_repeat_per_sample: Int64 | None = Field(None, ge=1, description="the group size")
+    group_timeout_seconds: FiniteFloat | None = Field(None, gt=0)
+    min_valid_group_size_ratio: Ratio = 1.0
+    min_valid_item_size_ratio: Ratio = 0.7
+    min_timeout_group_size_ratio: Ratio = 0.7
+    reward_key: str | None = None
+    evaluation: bool = Field(
+        False, description="keep every finished group as written: no filter, normalisation or padding"
+    )
+
+    def task_settings(self, defaults: TaskSettings) -> TaskSettings:
+        """The task's settings: these fields where given, else ``defaults`` (the service's flags)."""
+        return TaskSettings(
+            group_size=self.num_repeat_per_sample or defaults.group_size,
+            group_timeout_s=self.group_timeout_seconds or defaults.group_timeout_s,
+            min_valid_group_size_ratio=self.min_valid_group_size_ratio,
+            min_valid_item_size_ratio=self.min_valid_item_size_ratio,
+            min_timeout_group_size_ratio=self.min_timeout_group_size_ratio,
+            reward_key=self.reward_key,
+        )
+
+
+class StartRolloutRequest(TaskGrouping):
     """The trainer's ``/start_rollout`` payload. slime sends numbers as strings: accepted."""
 
     model_config = ConfigDict(extra="allow")
 
     task_type: Annotated[StrictStr, Field(min_length=1)]
-    num_repeat_per_sample: Int64 | None = Field(None, ge=1, description="the group size")
     num_process: Int64 | None = Field(None, ge=1, description="trajectories in flight")
     num_epoch: Int64 | None = Field(None, ge=1)
     max_tokens: Int64 | None = Field(None, ge=1)
-    group_timeout_seconds: FiniteFloat | None = Field(None, gt=0)
-    min_valid_group_size_ratio: Ratio = 1.0
-    min_valid_item_size_ratio: Ratio = 0.7
-    min_timeout_group_size_ratio: Ratio = 0.7
     skip_instance_ids: list[InstanceId] | None = None
     remote_engine_url: str | Annotated[list[StrictStr], Field(min_length=1)] | None = Field(
         None, description="the policy server's URL, or a list of them: a pool the generator spreads load over"
@@ -280,15 +302,11 @@ class StartRolloutRequest(BaseModel):
     remote_buffer_url: str | None = None
     input_file: str | None = None
     sampling_params: dict[str, Any] | None = None
-    reward_key: str | None = None
     restart: bool = Field(False, description="cancel the task's running job and start a new one")
     rollout_name: Annotated[StrictStr, Field(min_length=1)] | None = Field(
         None,
         description="the buffer task and job this run writes to (default: task_type); one generator can "
         "run under several names at once, e.g. for evaluation beside training",
-    )
-    evaluation: bool = Field(
-        False, description="keep every finished group as written: no filter, normalisation or padding"
     )
 
 

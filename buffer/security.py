@@ -50,7 +50,7 @@ def required_key(settings: Settings) -> str | None:
 
 def warn_if_exposed(settings: Settings) -> None:
     """Log a warning when the service listens beyond this machine without an API key."""
-    if required_key(settings) is None and not _is_loopback(settings.host):
+    if required_key(settings) is None and not is_loopback(settings.host):
         logger.warning(
             "listening on %s:%s without an API key: anyone who can reach this port can read and write "
             "the buffer and start generators. Set a key with --api-key or %s (clients read the same "
@@ -61,7 +61,8 @@ def warn_if_exposed(settings: Settings) -> None:
         )
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address (``127.0.0.0/8``, ``::1``, bracketed or not)."""
     if host.lower() == "localhost":
         return True
     try:

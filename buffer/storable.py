@@ -57,7 +57,7 @@ def non_finite_at(value: Any, path: Path = ()) -> Path | None:
         return None if math.isfinite(value) else path
     if isinstance(value, dict):
         children: Any = value.items()
-    elif isinstance(value, list):
+    elif isinstance(value, (list, tuple)):
         children = enumerate(value)
     else:
         return None

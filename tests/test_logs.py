@@ -203,3 +203,22 @@ def test_non_http_scopes_pass_through_untouched() -> None:
     sent = asyncio.run(drive(RequestIdMiddleware(app), scope))
     assert seen == [(scope, None)]
     assert sent == [{"type": "websocket.accept", "headers": []}]
+
+
+def test_a_library_s_private_record_attributes_stay_out_of_json_lines(log_stream: io.StringIO) -> None:
+    """Ray, once imported, makes every record carry ``_ray_timestamp_ns``: not a field of ours."""
+    make_record = logging.getLogRecordFactory()
+
+    def private_attribute(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make_record(*args, **kwargs)
+        record._library_timestamp_ns = 1  # type: ignore[attr-defined]
+        return record
+
+    logging.setLogRecordFactory(private_attribute)
+    try:
+        configure_logging("debug", "json", stream=log_stream)
+        logger.info("plain", extra={"task_type": "math"})
+    finally:
+        logging.setLogRecordFactory(make_record)
+    (line,) = (orjson.loads(line) for line in log_stream.getvalue().splitlines())
+    assert set(line) == {"time", "level", "logger", "message", "task_type"}

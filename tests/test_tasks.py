@@ -62,3 +62,18 @@ def test_hooks_come_from_the_generator_named(
     assert client.post("/get_rollout_data", json={"task_type": "elsewhere"}).json()["success"] is True
     assert client.put("/tasks/x", json={"generator": "missing"}).status_code == 404
     assert client.put("/tasks/x", json={"group_size": 2}).status_code == 422  # a typo is not ignored
+
+
+def test_a_task_refuses_a_timeout_the_data_folder_could_not_keep(
+    make_client: Callable[..., TestClient],
+) -> None:
+    client = make_client()
+    # What Python's json sends for float("inf"): the same rule as /start_rollout's.
+    response = client.put(
+        "/tasks/remote",
+        content=b'{"group_timeout_seconds": Infinity}',
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 422
+    assert "group_timeout_seconds" in response.text
+    assert "remote" not in client.get("/buffer/stats").json()["data"]["meta_info"]["tasks"]

@@ -37,7 +37,7 @@ async def start_rollout(body: StartRolloutRequest, svc: Annotated[Services, Depe
 async def _start(body: StartRolloutRequest, generator: Generator, name: str, svc: Services) -> Response:
     running = svc.jobs.running(name)
     if running is None or body.restart:
-        settings = _task_settings(body, svc.settings.default_task_settings())
+        settings = body.task_settings(svc.settings.default_task_settings())
         data = await svc.jobs.check(_generator_data(body, name, settings, local_url(svc.settings)))
         if running is not None:
             await svc.jobs.cancel(running.id)
@@ -58,17 +58,6 @@ async def _start(body: StartRolloutRequest, generator: Generator, name: str, svc
             "job_id": job.id,
             "job": svc.jobs.describe(job),
         }
-    )
-
-
-def _task_settings(body: StartRolloutRequest, defaults: TaskSettings) -> TaskSettings:
-    return TaskSettings(
-        group_size=body.num_repeat_per_sample or defaults.group_size,
-        group_timeout_s=body.group_timeout_seconds or defaults.group_timeout_s,
-        min_valid_group_size_ratio=body.min_valid_group_size_ratio,
-        min_valid_item_size_ratio=body.min_valid_item_size_ratio,
-        min_timeout_group_size_ratio=body.min_timeout_group_size_ratio,
-        reward_key=body.reward_key,
     )
 
 

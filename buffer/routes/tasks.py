@@ -18,32 +18,22 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr
 from starlette.responses import Response
 
 from buffer.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE
-from buffer.models import Int64, Ratio
+from buffer.models import TaskGrouping
 from buffer.responses import envelope
 from buffer.services import Services, services
-from buffer.task import TaskSettings
 
 router = APIRouter(prefix="/tasks")
 
 
-class TaskConfig(BaseModel):
+class TaskConfig(TaskGrouping):
     """How the task groups and judges what is written to it; defaults as ``/start_rollout``'s."""
 
     model_config = ConfigDict(extra="forbid")
 
-    num_repeat_per_sample: Int64 | None = Field(None, ge=1, description="the group size")
-    group_timeout_seconds: float | None = Field(None, gt=0)
-    min_valid_group_size_ratio: Ratio = 1.0
-    min_valid_item_size_ratio: Ratio = 0.7
-    min_timeout_group_size_ratio: Ratio = 0.7
-    reward_key: str | None = None
     generator: Annotated[StrictStr, Field(min_length=1)] | None = Field(
         None,
         description="the TASK_TYPE of the generator file whose hooks judge the groups (default: the "
         "task's own name if a generator defines it, else the default hooks)",
-    )
-    evaluation: bool = Field(
-        False, description="keep every finished group as written: no filter, normalisation or padding"
     )
 
 
@@ -51,15 +41,7 @@ class TaskConfig(BaseModel):
 async def configure_task(
     name: Annotated[str, Field(min_length=1)], body: TaskConfig, svc: Annotated[Services, Depends(services)]
 ) -> Response:
-    defaults = svc.settings.default_task_settings()
-    settings = TaskSettings(
-        group_size=body.num_repeat_per_sample or defaults.group_size,
-        group_timeout_s=body.group_timeout_seconds or defaults.group_timeout_s,
-        min_valid_group_size_ratio=body.min_valid_group_size_ratio,
-        min_valid_item_size_ratio=body.min_valid_item_size_ratio,
-        min_timeout_group_size_ratio=body.min_timeout_group_size_ratio,
-        reward_key=body.reward_key,
-    )
+    settings = body.task_settings(svc.settings.default_task_settings())
     if body.evaluation:
         hooks, source = EVALUATION_HOOKS, EVALUATION_SOURCE
     else:
