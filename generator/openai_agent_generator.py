@@ -6,16 +6,14 @@ fresh gateway session per sample (``gateway_session``), which records every call
 token ids, and scores the answer; ending the session writes the trajectory to its group.
 
 It needs the ``openai`` package: ``pip install 'rollout-buffer[openai]'`` (the ``dev`` extra has
-it too). Without it the service lists this file's import error under ``GET /generators`` and
-runs the others.
+it too). The import is inside the agent, so the service loads this file on any install; without
+the package a job of this task fails with ``ModuleNotFoundError: No module named 'openai'``.
 """
 
 import asyncio
 import json
 from pathlib import Path
 from typing import Any
-
-from openai import AsyncOpenAI
 
 from buffer.toolkit import calculate, gateway_session, read_rows
 
@@ -41,6 +39,8 @@ TOOLS = [
 
 async def calculator_agent(base_url: str, api_key: str, question: str, max_turns: int = 4) -> str:
     """The agent: any OpenAI-compatible server would do."""
+    from openai import AsyncOpenAI  # the openai extra; see the module's docstring
+
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=5)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Use the calculator, then state the result."},
