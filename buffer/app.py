@@ -27,7 +27,18 @@ from buffer.models import TRAJECTORY, invalid_input
 from buffer.registry import GeneratorRegistry
 from buffer.responses import envelope
 from buffer.rollout_buffer import RolloutBuffer
-from buffer.routes import dashboard, export, jobs, metrics, rollout, service, tail, trajectories, writes
+from buffer.routes import (
+    dashboard,
+    export,
+    jobs,
+    metrics,
+    policy,
+    rollout,
+    service,
+    tail,
+    trajectories,
+    writes,
+)
 from buffer.security import ApiKeyMiddleware, BodySizeLimitMiddleware, required_key, warn_if_exposed
 from buffer.services import Services, local_url
 from buffer.settings import Settings
@@ -79,7 +90,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="rollout-buffer", version=__version__, lifespan=lifespan)
     app.router.routes[:0] = writes.ROUTES  # first: matched before any other route is tried
-    for module in (rollout, trajectories, export, jobs, service, metrics, dashboard, tail):
+    for module in (rollout, policy, trajectories, export, jobs, service, metrics, dashboard, tail):
         app.include_router(module.router)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     if (key := required_key(settings)) is not None:  # no key: no middleware, no cost

@@ -11,6 +11,8 @@ from starlette.responses import Response
 
 from buffer.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE
 from buffer.models import GetRolloutDataRequest, StartRolloutRequest
+from buffer.policy.fields import check_start_fields
+from buffer.policy.state import register_policy, set_current_policy
 from buffer.responses import items_response, json_response
 from buffer.services import Services, local_url, services
 from buffer.task import TaskSettings
@@ -27,6 +29,7 @@ async def start_rollout(body: StartRolloutRequest, svc: Annotated[Services, Depe
     """
     await asyncio.to_thread(svc.registry.refresh)  # pick up new and edited generator files
     generator = svc.registry.get(body.task_type)
+    check_start_fields(body.model_extra or {}, generator.module, _toolkit_fields())
     name = body.rollout_name or body.task_type
     running = svc.jobs.running(name)
     if running is None or body.restart:
@@ -39,6 +42,7 @@ async def start_rollout(body: StartRolloutRequest, svc: Annotated[Services, Depe
         else:
             svc.buffer.configure_task(name, settings, generator.hooks, hooks_source=body.task_type)
         await svc.buffer.wait_durable()
+        _start_admission(svc, name, settings, body)
         job = svc.jobs.start(generator, data, name=name)
         message = "Rollout started"
     else:
@@ -54,6 +58,27 @@ async def start_rollout(body: StartRolloutRequest, svc: Annotated[Services, Depe
     )
 
 
+def _toolkit_fields() -> frozenset[str]:
+    from buffer.toolkit.runner import RolloutSettings  # the toolkit is loaded with the first job
+
+    return frozenset(RolloutSettings.model_fields)
+
+
+def _start_admission(svc: Services, name: str, settings: TaskSettings, body: StartRolloutRequest) -> None:
+    """Let the job's generator find the buffer's policy, and count its admissions from now."""
+    policy = svc.buffer.policy
+    register_policy(local_url(svc.settings), policy)
+    set_current_policy(policy)  # the job's task is created in this context
+    policy.gate.reset_stats()
+    in_flight = body.num_process or 100
+    policy.start_admission(
+        name,
+        settings.max_staleness,
+        -(-in_flight // max(1, settings.group_size)),
+        lambda: svc.buffer.consumed_groups(name),
+    )
+
+
 def _task_settings(body: StartRolloutRequest, defaults: TaskSettings) -> TaskSettings:
     return TaskSettings(
         group_size=body.num_repeat_per_sample or defaults.group_size,
@@ -62,6 +87,8 @@ def _task_settings(body: StartRolloutRequest, defaults: TaskSettings) -> TaskSet
         min_valid_item_size_ratio=body.min_valid_item_size_ratio,
         min_timeout_group_size_ratio=body.min_timeout_group_size_ratio,
         reward_key=body.reward_key,
+        max_staleness=body.max_staleness,
+        weight=body.weight,
     )
 
 
@@ -94,9 +121,12 @@ async def get_rollout_data(
     """Take ready groups, whole and oldest first. Nothing ready is a 200 with ``success: false``."""
     body = body or GetRolloutDataRequest()
     svc.check_task(body.task_type)
+    for task_type in body.mix or ():
+        svc.check_task(task_type)
     if body.wait_s and not await svc.wait_for_items(request, body.task_type, 1, body.wait_s):
         return Response(status_code=499)  # the client has gone: read nothing it would lose
-    result = svc.buffer.read(body.task_type, None if body.batch_size in (None, -1) else body.batch_size)
+    max_items = None if body.batch_size in (None, -1) else body.batch_size
+    result = svc.buffer.read(body.task_type, max_items, mix=body.mix)
     await svc.buffer.wait_durable()  # a group handed out is never handed out again, even after a crash
     items = [item for group in result.groups for item in group.items]
     if not result.groups:

@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from buffer.simulator.config import SimConfig
+from buffer.simulator.control import install_control
 from buffer.simulator.outage import DroppedConnection, Outage, OutageRequest
 from buffer.simulator.protocol import ChatRequest, error_body
 from buffer.simulator.replies import Choice, complete, count_prompt_tokens, fake_logprobs
@@ -90,6 +91,7 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
     app.state.config = config
     app.state.stats = stats
     app.state.outage = outage
+    control = install_control(app, json_response)
 
     @app.get("/health")
     async def health() -> Response:
@@ -131,7 +133,11 @@ def create_sim_app(config: SimConfig | None = None) -> FastAPI:
     async def chat_completions(request: ChatRequest) -> Response:
         stats.enter()
         try:
-            answer = None if outage.active else await _answer(request, config, server_rng, stats)
+            answer = (
+                None
+                if outage.active
+                else await control.run(_answer(request, config, server_rng, stats), config.served_model_name)
+            )
         finally:
             stats.in_flight -= 1
         if answer is None or outage.active:  # down when it came, or went down while it waited

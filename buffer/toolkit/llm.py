@@ -48,6 +48,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
+from buffer.policy.gate import Gate
 from buffer.toolkit.engines import (
     AnswerShapeError,
     Engine,
@@ -162,6 +163,9 @@ class EngineClient:
         self.retry = retry or RetryPolicy()
         self.continuation = continuation or ContinuePolicy()
         self.stats = LLMStats()
+        #: Closed while the trainer updates the weights (``buffer.policy``): every request
+        #: waits at it, and time spent closed counts against no retry budget.
+        self.gate: Gate | None = None
         self._headers = {"content-type": "application/json"}
         if api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
@@ -202,7 +206,9 @@ class EngineClient:
         except (_RetryableStatus, httpx.TransportError) as exc:
             first_failure: BaseException | None = exc
         policy = self.retry
-        stop: stop_base = stop_before_delay(policy.max_retry_s)
+        stop: stop_base = (
+            stop_before_delay(policy.max_retry_s) if self.gate is None else _StopOpenTime(policy, self.gate)
+        )
         if policy.max_attempts is not None:
             stop = stop | stop_after_attempt(policy.max_attempts)
         retrying = AsyncRetrying(
@@ -228,6 +234,15 @@ class EngineClient:
         raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
 
     async def _send(self, url: str, content: bytes) -> dict[str, Any]:
+        if self.gate is None:
+            return await self._send_now(url, content)
+        await self.gate.enter()
+        try:
+            return await self._send_now(url, content)
+        finally:
+            self.gate.leave()
+
+    async def _send_now(self, url: str, content: bytes) -> dict[str, Any]:
         self.stats.requests += 1
         try:
             response = await self._client.post(url, content=content, headers=self._headers)
@@ -412,6 +427,20 @@ def _sampling_record(sampling: dict[str, Any], seed: int | None) -> dict[str, An
 
 def _is_plain(value: Any) -> bool:
     return value is None or isinstance(value, (str, int, float, bool, list, dict))
+
+
+class _StopOpenTime(stop_base):
+    """``stop_before_delay`` on the time the gate was open: a pause spends no retry budget."""
+
+    def __init__(self, policy: RetryPolicy, gate: Gate) -> None:
+        self._max_s = policy.max_retry_s
+        self._gate = gate
+        self._started = time.monotonic()
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        now = time.monotonic()
+        open_s = now - self._started - self._gate.paused_between(self._started, now)
+        return open_s + (retry_state.upcoming_sleep or 0.0) >= self._max_s
 
 
 class _Wait:

@@ -33,6 +33,9 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from buffer.jobs import current_job
+from buffer.policy import Admission, find_policy
+from buffer.policy.gate import recording
+from buffer.policy.stamp import stamp
 from buffer.toolkit.agent import single_turn
 from buffer.toolkit.dataset import Plan, ResumePoint, read_rows
 from buffer.toolkit.engines import Engine
@@ -229,9 +232,14 @@ async def run_rollouts(
         if own_llm:
             await llm.aclose()
         raise
+    policy = find_policy(settings.remote_buffer_url)
+    if policy is not None and llm.gate is None:  # the service is in this process: obey its gate
+        llm.gate = policy.gate
     run = _Run(
         settings, progress, sink, functools.partial(rollout, llm, **settings.sampling()), reward, group_reward
     )
+    run.admission = policy.admission(settings.task_type) if policy is not None else None
+    run.stamp_versions = policy is not None
     publish = functools.partial(_publish, progress, llm.stats, llm.stats.copy())
     reporter = asyncio.create_task(
         _report(progress, settings.progress_interval_s, publish), name="rollout-progress"
@@ -307,6 +315,10 @@ class _Run:
         self.fail_fast = FailFast(settings.fail_fast_after)
         self.fatal: MisconfiguredEngine | None = None
         self.tasks: set[asyncio.Task[None]] = set()
+        #: Demand-driven generation: a group starts only when admitted (``buffer.policy``).
+        self.admission: Admission | None = None
+        self.stamp_versions = False
+        self.versions: dict[int, list[int]] = {}  # by id(sample): its requests' versions
 
     async def all(self, plan: Plan) -> None:
         slots = asyncio.Semaphore(self.settings.num_process)
@@ -316,8 +328,13 @@ class _Run:
             tasks.discard(task)
             slots.release()
 
+        last_group: tuple[int, Any] | None = None
         try:
             for sample in plan:
+                group = (sample.epoch, sample.instance_id)
+                if self.admission is not None and group != last_group:
+                    await self.admission.admit()
+                last_group = group
                 await slots.acquire()
                 if self.fatal is not None:
                     break
@@ -339,6 +356,8 @@ class _Run:
             raise self.fatal
 
     async def one(self, sample: Sample) -> None:
+        if self.stamp_versions:  # in this task's own context: only its requests are recorded
+            self.versions[id(sample)] = recording()
         try:
             outcome: Episode | BaseException = await self.rollout(sample)
         except Exception as exc:  # retries are spent: the trajectory fails, the run goes on
@@ -459,6 +478,9 @@ class _Run:
         turns = turn_records(messages, completions) if episode is not None else None
         if turns is not None:
             trajectory["turns"] = turns
+        versions = self.versions.pop(id(sample), None)
+        if versions is not None:
+            stamp(trajectory, completions, versions)
         return trajectory
 
 

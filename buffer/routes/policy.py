@@ -1,0 +1,122 @@
+"""The trainer's side of asynchronous RL: the policy version, and pause/resume around a sync.
+
+``POST /policy`` says which policy the engines now serve (versions only go up);
+``POST /policy/pause`` closes the gate of in-process generators (no new engine request
+starts) and, in ``abort`` mode, asks the engines to abort what is in flight: the toolkit
+continues those replies from their tokens after ``POST /policy/resume``. The pause answers
+once nothing is in flight (or after ``timeout_s``). SGLang engines named in ``engine_urls``
+get ``/pause_generation`` and ``/continue_generation`` too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Annotated, Literal
+
+import httpx
+from fastapi import APIRouter, Body, Depends
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response
+
+from buffer.policy.state import Policy
+from buffer.responses import json_response
+from buffer.services import Services, services
+from buffer.toolkit.llm import engine_root_url
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+Version = Annotated[int, Field(ge=0, le=2**63 - 1, strict=True)]
+
+
+class VersionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: Version
+
+
+class PauseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["abort", "drain"] = Field(
+        "abort",
+        description="abort: engines abort in-flight requests, continued after resume; drain: they finish",
+    )
+    timeout_s: float = Field(60.0, ge=0, le=3600, description="wait at most this long for in-flight requests")
+    engine_urls: list[str] | None = Field(
+        None, description="SGLang engines (or routers) to send /pause_generation and /continue_generation"
+    )
+
+
+class ResumeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: Version | None = None
+
+
+def _policy(svc: Annotated[Services, Depends(services)]) -> Policy:
+    return svc.buffer.policy
+
+
+@router.get("/policy")
+async def get_policy(policy: Annotated[Policy, Depends(_policy)]) -> Response:
+    """The version, whether generation is paused, and the policy's counters."""
+    return json_response({"success": True, **policy.snapshot()})
+
+
+@router.post("/policy")
+async def set_policy(body: VersionRequest, policy: Annotated[Policy, Depends(_policy)]) -> Response:
+    """The engines now serve ``version``; a lower one than the current is refused (409)."""
+    policy.set_version(body.version)
+    return json_response({"success": True, "version": policy.version, "paused": policy.gate.paused})
+
+
+@router.post("/policy/pause")
+async def pause(
+    policy: Annotated[Policy, Depends(_policy)], body: Annotated[PauseRequest | None, Body()] = None
+) -> Response:
+    body = body or PauseRequest()
+    policy.pause(body.mode)
+    if body.engine_urls is not None:
+        policy.engine_urls = list(body.engine_urls)
+    if body.mode == "abort":
+        await _tell_engines(policy.engine_urls, "/pause_generation", {"mode": "abort"})
+    drained = await policy.gate.drained(body.timeout_s)
+    return json_response(
+        {
+            "success": True,
+            "version": policy.version,
+            "paused": True,
+            "mode": body.mode,
+            "drained": drained,
+            "in_flight": policy.gate.in_flight,
+        }
+    )
+
+
+@router.post("/policy/resume")
+async def resume(
+    policy: Annotated[Policy, Depends(_policy)], body: Annotated[ResumeRequest | None, Body()] = None
+) -> Response:
+    body = body or ResumeRequest()
+    if policy.mode == "abort":
+        await _tell_engines(policy.engine_urls, "/continue_generation", {})
+    policy.resume(body.version)
+    return json_response({"success": True, "version": policy.version, "paused": False})
+
+
+async def _tell_engines(urls: list[str], path: str, body: dict[str, str]) -> None:
+    """POST to every engine at once; one that fails is logged, not fatal (the gate holds)."""
+    if not urls:
+        return
+    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
+        answers = await asyncio.gather(
+            *(client.post(engine_root_url(url) + path, json=body) for url in urls), return_exceptions=True
+        )
+    for url, answer in zip(urls, answers, strict=True):
+        if isinstance(answer, BaseException):
+            logger.warning("%s%s failed: %r", url, path, answer)
+        elif answer.is_error:
+            logger.warning("%s%s answered HTTP %d", url, path, answer.status_code)
