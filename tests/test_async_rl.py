@@ -16,7 +16,8 @@ BENCH = Path(__file__).resolve().parent.parent / "bench" / "async_rl.py"
 
 def bench() -> ModuleType:
     spec = importlib.util.spec_from_file_location("async_rl_bench", BENCH)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

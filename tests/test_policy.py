@@ -232,7 +232,8 @@ def test_policy_routes(client: TestClient) -> None:
     assert refused.status_code == 409
     assert "lower" in refused.json()["message"]
     paused = client.post("/policy/pause", json={"mode": "drain", "timeout_s": 1}).json()
-    assert paused["paused"] and paused["drained"]
+    assert paused["paused"]
+    assert paused["drained"]
     assert client.get("/policy").json()["paused"] is True
     assert client.post("/policy/resume", json={"version": 3}).json() == {
         "success": True,
