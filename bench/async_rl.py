@@ -164,7 +164,7 @@ def _trainer(
         httpx.post(f"{sim_url}/update_weights_from_disk", json={"weight_version": str(version)}, timeout=30)
         client.post("/policy/resume", json={"version": version}).raise_for_status()
     elapsed = time.monotonic() - began
-    policy = client.get("/policy").json()
+    policy = client.get("/policy").json()["data"]
     client.post(f"/jobs/{job_id}/cancel")
     job = client.get(f"/jobs/{job_id}").json()["data"]
     progress = job.get("progress", {})

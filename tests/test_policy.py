@@ -226,17 +226,16 @@ async def test_the_chat_client_sends_nothing_while_paused() -> None:
 
 
 def test_policy_routes(client: TestClient) -> None:
-    assert client.get("/policy").json()["version"] is None
-    assert client.post("/policy", json={"version": 2}).json()["version"] == 2
+    assert client.get("/policy").json()["data"]["version"] is None
+    assert client.post("/policy", json={"version": 2}).json()["data"]["version"] == 2
     refused = client.post("/policy", json={"version": 1})
     assert refused.status_code == 409
     assert "lower" in refused.json()["message"]
-    paused = client.post("/policy/pause", json={"mode": "drain", "timeout_s": 1}).json()
+    paused = client.post("/policy/pause", json={"mode": "drain", "timeout_s": 1}).json()["data"]
     assert paused["paused"]
     assert paused["drained"]
-    assert client.get("/policy").json()["paused"] is True
-    assert client.post("/policy/resume", json={"version": 3}).json() == {
-        "success": True,
+    assert client.get("/policy").json()["data"]["paused"] is True
+    assert client.post("/policy/resume", json={"version": 3}).json()["data"] == {
         "version": 3,
         "paused": False,
     }

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from buffer.policy.state import Policy
-from buffer.responses import json_response
+from buffer.responses import envelope
 from buffer.services import Services, services
 from buffer.toolkit.llm import engine_root_url
 
@@ -63,14 +63,14 @@ def _policy(svc: Annotated[Services, Depends(services)]) -> Policy:
 @router.get("/policy")
 async def get_policy(policy: Annotated[Policy, Depends(_policy)]) -> Response:
     """The version, whether generation is paused, and the policy's counters."""
-    return json_response({"success": True, **policy.snapshot()})
+    return envelope(True, "Policy", policy.snapshot())
 
 
 @router.post("/policy")
 async def set_policy(body: VersionRequest, policy: Annotated[Policy, Depends(_policy)]) -> Response:
     """The engines now serve ``version``; a lower one than the current is refused (409)."""
     policy.set_version(body.version)
-    return json_response({"success": True, "version": policy.version, "paused": policy.gate.paused})
+    return envelope(True, f"Policy version {policy.version}", _state(policy))
 
 
 @router.post("/policy/pause")
@@ -84,15 +84,9 @@ async def pause(
     if body.mode == "abort":
         await _tell_engines(policy.engine_urls, "/pause_generation", {"mode": "abort"})
     drained = await policy.gate.drained(body.timeout_s)
-    return json_response(
-        {
-            "success": True,
-            "version": policy.version,
-            "paused": True,
-            "mode": body.mode,
-            "drained": drained,
-            "in_flight": policy.gate.in_flight,
-        }
+    state = {**_state(policy), "mode": body.mode, "drained": drained, "in_flight": policy.gate.in_flight}
+    return envelope(
+        True, "Generation paused" if drained else "Generation paused; requests still in flight", state
     )
 
 
@@ -104,7 +98,11 @@ async def resume(
     if policy.mode == "abort":
         await _tell_engines(policy.engine_urls, "/continue_generation", {})
     policy.resume(body.version)
-    return json_response({"success": True, "version": policy.version, "paused": False})
+    return envelope(True, "Generation resumed", _state(policy))
+
+
+def _state(policy: Policy) -> dict[str, object]:
+    return {"version": policy.version, "paused": policy.gate.paused}
 
 
 async def _tell_engines(urls: list[str], path: str, body: dict[str, str]) -> None:
