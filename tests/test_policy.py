@@ -325,3 +325,28 @@ def test_metrics_and_dashboard_show_lag_stale_shares_and_pauses(client: TestClie
     assert "rollout_buffer_policy_pauses_total 1.0" in text
     policy = client.get("/dashboard/data").json()["policy"]
     assert policy["stale_groups"] == {"math": 1}
+
+
+def test_a_stale_group_stays_set_aside_after_a_restart(make_client: Any, tmp_path: Path) -> None:
+    def writes(client: TestClient, instance_id: str, version: int) -> None:
+        for item in versioned(instance_id, [0.0, 1.0], version):
+            assert client.post("/buffer/write", json={**item, "task_type": "math"}).status_code == 200
+
+    first = make_client(data_dir=tmp_path / "data", group_size=2)
+    buffer = first.app.state.services.buffer
+    buffer.configure_task("math", TaskSettings(group_size=2, max_staleness=0), Hooks())
+    writes(first, "old", 0)
+    writes(first, "new", 1)
+    first.post("/policy", json={"version": 1})
+    served = first.post("/get_rollout_data", json={"task_type": "math"}).json()["data"]
+    assert {item["instance_id"] for item in served["data"]} == {"new"}
+    assert served["meta_info"]["stale_groups"] == {"math": 1}
+    writes(first, "later", 1)
+    first.__exit__(None, None, None)
+
+    second = make_client(data_dir=tmp_path / "data", group_size=2)
+    served = second.post("/get_rollout_data", json={"task_type": "math"}).json()["data"]
+    assert {item["instance_id"] for item in served["data"]} == {"later"}
+    assert second.get("/buffer/stats").json()["data"]["meta_info"]["tasks"]["math"]["discarded_groups"] == {
+        "stale": 1
+    }
