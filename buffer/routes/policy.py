@@ -16,8 +16,11 @@ from typing import Annotated, Literal
 
 import httpx
 from fastapi import APIRouter, Body, Depends
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from buffer.policy.state import Policy
 from buffer.responses import envelope
@@ -60,17 +63,33 @@ def _policy(svc: Annotated[Services, Depends(services)]) -> Policy:
     return svc.buffer.policy
 
 
-@router.get("/policy")
+class _BothMethodsRoute(APIRoute):
+    """``GET /policy`` and ``POST /policy`` are two routes (one operation each in the schema);
+    a request with another method meets the GET route first, so its 405 lists both."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] not in (self.methods or ()):
+            raise HTTPException(status_code=405, headers={"Allow": "GET, POST"})
+        await super().handle(scope, receive, send)
+
+
+_version_routes = APIRouter(route_class=_BothMethodsRoute)
+
+
+@_version_routes.get("/policy")
 async def get_policy(policy: Annotated[Policy, Depends(_policy)]) -> Response:
     """The version, whether generation is paused, and the policy's counters."""
     return envelope(True, "Policy", policy.snapshot())
 
 
-@router.post("/policy")
+@_version_routes.post("/policy")
 async def set_policy(body: VersionRequest, policy: Annotated[Policy, Depends(_policy)]) -> Response:
     """The engines now serve ``version``; a lower one than the current is refused (409)."""
     policy.set_version(body.version)
     return envelope(True, f"Policy version {policy.version}", _state(policy))
+
+
+router.include_router(_version_routes)
 
 
 @router.post("/policy/pause")
