@@ -18,11 +18,13 @@ from buffer.hooks import Hooks
 from buffer.policy import Admission, Gate, Policy, PolicyError
 from buffer.policy.gate import recording
 from buffer.policy.mixing import allocate
+from buffer.policy.remote import RemotePolicy
 from buffer.rollout_buffer import RolloutBuffer
 from buffer.simulator.app import create_sim_app
 from buffer.simulator.config import SimConfig
 from buffer.task import TaskSettings
 from buffer.toolkit.llm import ChatClient, RetryPolicy, _StopOpenTime
+from buffer.toolkit.runner import run_rollouts
 from tests.factories import group, write_generator
 
 pytestmark = pytest.mark.anyio
@@ -350,3 +352,92 @@ def test_a_stale_group_stays_set_aside_after_a_restart(make_client: Any, tmp_pat
     assert second.get("/buffer/stats").json()["data"]["meta_info"]["tasks"]["math"]["discarded_groups"] == {
         "stale": 1
     }
+
+
+def test_admission_over_http_waits_for_room(client: TestClient) -> None:
+    consumed = [0]
+    policy = client.app.state.services.buffer.policy  # type: ignore[attr-defined]
+    policy.start_admission("math", 0, 1, lambda: consumed[0])
+    assert client.post("/policy/admit", json={"task_type": "math", "wait_s": 0}).json()["data"] == {
+        "admitted": True,
+        "bounded": True,
+    }
+    refused = client.post("/policy/admit", json={"task_type": "math", "wait_s": 0.1}).json()["data"]
+    assert refused["admitted"] is False
+    consumed[0] += 1
+    assert client.post("/policy/admit", json={"task_type": "math", "wait_s": 1}).json()["data"]["admitted"]
+    free = client.post("/policy/admit", json={"task_type": "other", "wait_s": 0}).json()["data"]
+    assert free == {"admitted": True, "bounded": False}
+
+
+async def test_a_generator_in_another_process_mirrors_the_pause_and_the_version(process: Any) -> None:
+    url = process("buffer.py", "--log-level", "warning", name="buffer")
+    remote = await RemotePolicy.connect(url, "math")
+    assert remote is not None
+    try:
+        async with httpx.AsyncClient(base_url=url, trust_env=False) as buffer:
+            await buffer.post("/policy", json={"version": 2})
+            await buffer.post("/policy/pause", json={"mode": "drain"})
+            await until(lambda: remote.gate.paused)
+            assert remote.gate.version == 2
+            entered = asyncio.ensure_future(remote.gate.enter())
+            await asyncio.sleep(0.1)
+            assert not entered.done()  # no engine request while the trainer holds the engines
+            await buffer.post("/policy/resume", json={"version": 3})
+            assert await asyncio.wait_for(entered, 5) == 3
+        await remote.admission.admit()  # no bound on the task: asks once, then never again
+        assert remote.admission.bounded is False
+    finally:
+        await remote.aclose()
+    assert await RemotePolicy.connect("http://127.0.0.1:9", "math") is None
+
+
+async def until(condition: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
+class Kept:
+    """A sink that keeps what is written."""
+
+    def __init__(self) -> None:
+        self.trajectories: list[dict[str, Any]] = []
+
+    async def write(self, trajectory: dict[str, Any]) -> None:
+        self.trajectories.append(trajectory)
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_a_generator_writing_to_a_buffer_elsewhere_holds_its_requests_while_paused(
+    process: Any, tmp_path: Path
+) -> None:
+    engine = process("-m", "buffer.simulator", "--latency-mean-s", "0.01", "--seed", "4", name="simulator")
+    url = process("buffer.py", "--log-level", "warning", name="buffer")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"instance_id": "q{i}", "prompt": "What is {i} + 1?"}}\n' for i in range(2)))
+    data = {
+        "task_type": "elsewhere",
+        "input_file": str(rows),
+        "remote_engine_url": engine,
+        "remote_buffer_url": url,
+        "num_repeat_per_sample": 2,
+    }
+    async with httpx.AsyncClient(base_url=url, trust_env=False) as buffer:
+        await buffer.post("/policy", json={"version": 1})
+        await buffer.post("/policy/pause", json={"mode": "drain"})
+        written = Kept()
+        run = asyncio.ensure_future(run_rollouts(data, reward=lambda sample, episode: 1.0, sink=written))
+        await asyncio.sleep(0.5)
+        async with httpx.AsyncClient(trust_env=False) as sim:
+            stats = (await sim.get(f"{engine}/stats")).json()
+        assert stats["requests"] == 0  # nothing reached the engine while paused
+        assert not run.done()
+        await buffer.post("/policy/resume", json={"version": 2})
+        progress = await asyncio.wait_for(run, 30)
+        assert progress.completed == 4
+    versions = {item["extra_info"]["policy_version_min"] for item in written.trajectories}
+    assert versions == {2}

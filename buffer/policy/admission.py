@@ -14,8 +14,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 from buffer.policy.signal import Signal
+
+
+class Admits(Protocol):
+    """What a generator awaits before each group: ``Admission``, or ``RemoteAdmission``."""
+
+    async def admit(self) -> None: ...
 
 
 class Admission:

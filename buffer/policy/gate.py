@@ -46,7 +46,7 @@ class Gate:
         self._lock = threading.Lock()
         self._opened = Signal()
         self._idle = Signal()
-        self.version = 0
+        self.version: int | None = None  # until the trainer says one
         self.paused = False
         self.in_flight = 0
         self.stats = GateStats()
@@ -63,7 +63,7 @@ class Gate:
             self.stats.busy_s += span * self.in_flight
         self._since = now
 
-    async def enter(self) -> int:
+    async def enter(self) -> int | None:
         """Wait until the gate is open, count the request in flight, return the version."""
         while True:
             with self._lock:
@@ -75,7 +75,7 @@ class Gate:
                     break
                 ticket = self._opened.ticket()  # under the lock: a resume cannot slip past
             await ticket.wait(5.0)
-        if (versions := _versions.get()) is not None:
+        if version is not None and (versions := _versions.get()) is not None:
             versions.append(version)
         return version
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from buffer.errors import RolloutBufferError
 from buffer.policy.admission import Admission
 from buffer.policy.gate import Gate
+from buffer.policy.signal import Signal
 
 PauseMode = Literal["abort", "drain"]
 #: Upper bounds of the served-lag histogram (versions; +Inf implied).
@@ -45,6 +46,8 @@ class Policy:
         self.stale: Counter[str] = Counter()
         self.mixed_reads = 0
         self.short_reads = 0
+        #: Notified when the version or the pause state changes (``GET /policy/watch``).
+        self.changed = Signal()
 
     # -- versions and pause --------------------------------------------------------------
 
@@ -55,17 +58,25 @@ class Policy:
             self.version = version
             self.gate.version = version
         self.notify()
+        self.changed.notify()
 
     def pause(self, mode: PauseMode) -> bool:
         """Close the gate; False when it already was."""
         self.mode = mode
-        return self.gate.pause()
+        closed = self.gate.pause()
+        self.changed.notify()
+        return closed
 
     def resume(self, version: int | None) -> None:
         if version is not None:
             self.set_version(version)
         self.mode = None
         self.gate.resume(self.version)
+        self.changed.notify()
+
+    def state(self) -> dict[str, Any]:
+        """What a generator elsewhere mirrors: the version and whether it may send requests."""
+        return {"version": self.version, "paused": self.gate.paused}
 
     # -- admission ---------------------------------------------------------------------
 

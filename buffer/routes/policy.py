@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import httpx
-from fastapi import APIRouter, Body, Depends
+from fastapi import APIRouter, Body, Depends, Query
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
@@ -120,8 +120,55 @@ async def resume(
     return envelope(True, "Generation resumed", _state(policy))
 
 
-def _state(policy: Policy) -> dict[str, object]:
-    return {"version": policy.version, "paused": policy.gate.paused}
+def _state(policy: Policy) -> dict[str, Any]:
+    return policy.state()
+
+
+# -- for generators outside the service's process (worker processes, remote machines) --------
+
+
+@router.get("/policy/watch")
+async def watch(
+    policy: Annotated[Policy, Depends(_policy)],
+    version: int | None = None,
+    paused: bool = False,
+    wait_s: Annotated[float, Query(ge=0, le=60)] = 30.0,
+) -> Response:
+    """The version and pause state once they differ from ``version`` and ``paused`` (or after
+    ``wait_s``): a generator elsewhere long-polls this to mirror the gate."""
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while True:
+        ticket = policy.changed.ticket()
+        state = policy.state()
+        left = deadline - asyncio.get_running_loop().time()
+        if state != {"version": version, "paused": paused} or left <= 0:
+            ticket.cancel()
+            return envelope(True, "Policy", state)
+        await ticket.wait(left)
+
+
+class AdmitRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    task_type: Annotated[str, Field(min_length=1)]
+    wait_s: float = Field(30.0, ge=0, le=60, description="wait up to this long for room")
+
+
+@router.post("/policy/admit")
+async def admit(body: AdmitRequest, policy: Annotated[Policy, Depends(_policy)]) -> Response:
+    """Admit one group of the task's generator, waiting up to ``wait_s`` for room (the
+    staleness bound). ``bounded: false``: the task has no admission, never ask again."""
+    admission = policy.admission(body.task_type)
+    if admission is None or admission.capacity is None:
+        if admission is not None:
+            admission.try_admit()
+        return envelope(True, "Admitted", {"admitted": True, "bounded": False})
+    try:
+        if not admission.try_admit():
+            await asyncio.wait_for(admission.admit(), body.wait_s)
+    except TimeoutError:
+        return envelope(True, "No room yet", {"admitted": False, "bounded": True})
+    return envelope(True, "Admitted", {"admitted": True, "bounded": True})
 
 
 async def _tell_engines(urls: list[str], path: str, body: dict[str, str]) -> None:

@@ -33,8 +33,10 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from buffer.jobs import current_job
-from buffer.policy import Admission, find_policy
+from buffer.policy import find_policy
+from buffer.policy.admission import Admits
 from buffer.policy.gate import recording
+from buffer.policy.remote import RemotePolicy
 from buffer.policy.stamp import stamp
 from buffer.toolkit.agent import single_turn
 from buffer.toolkit.dataset import Plan, ResumePoint, read_rows
@@ -42,7 +44,7 @@ from buffer.toolkit.engines import Engine
 from buffer.toolkit.failfast import FailFast, MisconfiguredEngine
 from buffer.toolkit.llm import ChatClient, ContinuePolicy, EngineClient, LLMStats, RetryPolicy
 from buffer.toolkit.records import turn_records
-from buffer.toolkit.sink import RejectedTrajectory, TrajectorySink, open_sink
+from buffer.toolkit.sink import HttpSink, RejectedTrajectory, TrajectorySink, open_sink
 from buffer.toolkit.tito import TokenClient, TokenEngine, TokenRenderer, load_tokenizer
 from buffer.toolkit.types import Completion, Episode, GroupRewardFn, Message, RewardFn, Sample
 from default_func import FAILURE_REWARD
@@ -100,6 +102,11 @@ class RolloutSettings(BaseModel):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     fail_fast_after: int = Field(
         20, ge=1, description="trajectories in a row refused with the same 4xx before the run fails"
+    )
+    follow_policy: bool = Field(
+        True,
+        description="writing to a buffer in another process: mirror its pauses and staleness bound "
+        "(GET /policy/watch, POST /policy/admit); false: ignore them",
     )
 
     def sampling(self) -> dict[str, Any]:
@@ -233,13 +240,21 @@ async def run_rollouts(
             await llm.aclose()
         raise
     policy = find_policy(settings.remote_buffer_url)
-    if policy is not None and llm.gate is None:  # the service is in this process: obey its gate
-        llm.gate = policy.gate
+    remote: RemotePolicy | None = None
+    if policy is None and settings.remote_buffer_url and settings.follow_policy:
+        authorization = sink.authorization if isinstance(sink, HttpSink) else None
+        remote = await RemotePolicy.connect(settings.remote_buffer_url, settings.task_type, authorization)
+    gate = policy.gate if policy is not None else remote.gate if remote is not None else None
+    if gate is not None and llm.gate is None:  # obey the buffer's pauses
+        llm.gate = gate
     run = _Run(
         settings, progress, sink, functools.partial(rollout, llm, **settings.sampling()), reward, group_reward
     )
-    run.admission = policy.admission(settings.task_type) if policy is not None else None
-    run.stamp_versions = policy is not None
+    if policy is not None:
+        run.admission = policy.admission(settings.task_type)
+    elif remote is not None:
+        run.admission = remote.admission
+    run.stamp_versions = gate is not None
     publish = functools.partial(_publish, progress, llm.stats, llm.stats.copy())
     reporter = asyncio.create_task(
         _report(progress, settings.progress_interval_s, publish), name="rollout-progress"
@@ -256,6 +271,8 @@ async def run_rollouts(
             await llm.aclose()
         if own_sink:
             await sink.aclose()
+        if remote is not None:
+            await remote.aclose()
     return progress
 
 
@@ -316,7 +333,7 @@ class _Run:
         self.fatal: MisconfiguredEngine | None = None
         self.tasks: set[asyncio.Task[None]] = set()
         #: Demand-driven generation: a group starts only when admitted (``buffer.policy``).
-        self.admission: Admission | None = None
+        self.admission: Admits | None = None
         self.stamp_versions = False
         self.versions: dict[int, list[int]] = {}  # by id(sample): its requests' versions
 
