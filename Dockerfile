@@ -16,7 +16,7 @@ WORKDIR /app
 
 # pyproject.toml names README.md as the readme, so the build needs it; the build also
 # needs every package and module it lists: buffer, generator and default_func.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY buffer.py default_func.py ./
 COPY buffer/ buffer/
 COPY generator/ generator/

@@ -15,11 +15,14 @@ script plays the trainer, draining ``/get_rollout_data`` every second, and repor
     .venv/bin/python bench/generator_throughput.py                    # C=256, L=0.5 s; then C=1000
     .venv/bin/python bench/generator_throughput.py --concurrency 256 --latency-s 0.5 --seconds 20
     .venv/bin/python bench/generator_throughput.py --concurrency 256 --capture both
+    .venv/bin/python bench/generator_throughput.py --concurrency 64 --latency-s 0.2 --abort-rate 0.1
+    .venv/bin/python bench/generator_throughput.py --concurrency 256 --engines 3   # a pool of three
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from typing import Any
@@ -31,16 +34,31 @@ DATA = common.REPO / "generator" / "data" / "math.jsonl"
 
 
 def measure(
-    concurrency: int, latency_s: float, jitter_s: float, warmup_s: float, seconds: float, capture: bool = True
+    concurrency: int,
+    latency_s: float,
+    jitter_s: float,
+    warmup_s: float,
+    seconds: float,
+    capture: bool = True,
+    abort_rate: float = 0.0,
+    engines: int = 1,
 ) -> dict[str, Any]:
     latency = ["--latency-mean-s", str(latency_s), "--latency", "uniform" if jitter_s else "fixed"]
-    latency += ["--latency-jitter-s", str(jitter_s)]
-    simulator = common.Server(module="buffer.simulator", extra_args=[*latency, "--seed", "0"])
-    with simulator, common.Server() as server, httpx.Client(base_url=server.url, timeout=60.0) as client:
+    latency += ["--latency-jitter-s", str(jitter_s), "--abort-rate", str(abort_rate)]
+    simulators = [
+        common.Server(module="buffer.simulator", extra_args=[*latency, "--seed", str(seed)])
+        for seed in range(engines)
+    ]
+    with contextlib.ExitStack() as stack:
+        for simulator in simulators:
+            stack.enter_context(simulator)
+        server = stack.enter_context(common.Server())
+        client = stack.enter_context(httpx.Client(base_url=server.url, timeout=60.0))
+        urls = [simulator.url for simulator in simulators]
         payload = {
             "task_type": "math",
             "input_file": str(DATA),
-            "remote_engine_url": simulator.url,
+            "remote_engine_url": urls[0] if engines == 1 else urls,
             "num_repeat_per_sample": "8",
             "num_process": str(concurrency),
             "num_epoch": "100000",
@@ -94,6 +112,12 @@ def main() -> None:
         help="token capture (ids and logprobs asked for and written); both: off, then on, and the cost",
     )
     parser.add_argument(
+        "--abort-rate", type=float, default=0.0, help="share of answers the engine aborts (continued)"
+    )
+    parser.add_argument(
+        "--engines", type=int, default=1, help="simulated engines: more than one makes a pool"
+    )
+    parser.add_argument(
         "--repeat", type=int, default=1, help="runs of each mode, interleaved (off, on, off, on, ...)"
     )
     args = parser.parse_args()
@@ -102,7 +126,16 @@ def main() -> None:
     for concurrency in args.concurrency:
         rates: dict[bool, list[float]] = {}
         for capture in modes:
-            result = measure(concurrency, args.latency_s, args.jitter_s, args.warmup_s, args.seconds, capture)
+            result = measure(
+                concurrency,
+                args.latency_s,
+                args.jitter_s,
+                args.warmup_s,
+                args.seconds,
+                capture,
+                abort_rate=args.abort_rate,
+                engines=args.engines,
+            )
             rates.setdefault(capture, []).append(result["rate"])
             rows.append(
                 [

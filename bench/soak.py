@@ -10,15 +10,18 @@ time is up the writers stop, and the readers drain the buffer. Then:
   delivered ``uid`` exactly once.
 
 With ``--kill-every S`` the server is killed with SIGKILL every S seconds and restarted on
-the same data folder, in the middle of the traffic. A read in flight at a kill may have been
-delivered (made durable) without its answer reaching the reader; such trajectories are
-found in the export, and the check becomes: every acknowledged ``uid`` was delivered exactly
-once, by an answer or, for the answer a kill cut off, by the export alone.
+the same data folder, in the middle of the traffic; with ``--kill-on-read`` each kill waits for
+a read in flight and lands within a few milliseconds of it (between a read's record and its
+export, when they were two writes); ``--compact-bytes`` makes compaction frequent. A read in
+flight at a kill may have been delivered (made durable) without its answer reaching the
+reader; such trajectories are found in the export, and the check becomes: every acknowledged
+``uid`` was delivered exactly once, by an answer or, for the answer a kill cut off, by the export alone.
 
 Exit status 1 when the accounting fails. Run (from the repository root, with the dev venv):
 
     .venv/bin/python bench/soak.py                        # 30 s, durability sync
     .venv/bin/python bench/soak.py --kill-every 5          # SIGKILL every 5 s
+    .venv/bin/python bench/soak.py --seconds 120 --kill-every 1 --kill-on-read --compact-bytes 1048576
     .venv/bin/python bench/soak.py --memory                # no --data-dir
     .venv/bin/python bench/soak.py --json                  # one JSON line of figures
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import random
 import statistics
 import sys
 import tempfile
@@ -52,6 +56,7 @@ class Ledger:
     reads: int = 0
     kills: int = 0
     restart_s: list[float] = field(default_factory=list)
+    compactions: int = 0  # summed over the server's lives
 
 
 class Target:
@@ -62,6 +67,7 @@ class Target:
         self.url = server.url
         self.up = asyncio.Event()
         self.up.set()
+        self.reading = asyncio.Event()  # a read is in flight
 
 
 async def writer(
@@ -97,10 +103,13 @@ async def writer(
                     await asyncio.sleep(0.05)
 
 
-async def reader(target: Target, ledger: Ledger, stop: asyncio.Event) -> None:
+async def reader(target: Target, ledger: Ledger, stop: asyncio.Event, every_s: float) -> None:
     async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
         while not stop.is_set():
+            if every_s:  # fewer, larger reads: each one a longer export
+                await asyncio.sleep(every_s)
             await target.up.wait()
+            target.reading.set()
             try:
                 response = await client.post(f"{target.url}/get_rollout_data", json={"wait_s": 0.5})
                 response.raise_for_status()
@@ -108,15 +117,23 @@ async def reader(target: Target, ledger: Ledger, stop: asyncio.Event) -> None:
                 ledger.read_failures += 1
                 await asyncio.sleep(0.05)
                 continue
+            finally:
+                target.reading.clear()
             answer = response.json()
             if answer["success"]:
                 ledger.reads += 1
                 ledger.received.update(item["uid"] for item in answer["data"]["data"])
 
 
-async def killer(target: Target, ledger: Ledger, every_s: float, deadline: float) -> None:
+async def killer(target: Target, ledger: Ledger, args: argparse.Namespace, deadline: float) -> None:
+    every_s = args.kill_every
     while time.monotonic() + every_s < deadline:
         await asyncio.sleep(every_s)
+        ledger.compactions += await asyncio.to_thread(compactions, target.url)
+        if args.kill_on_read:  # within a few milliseconds of a read reaching the server
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(target.reading.wait(), 2.0)
+            await asyncio.sleep(random.uniform(0.0, args.kill_delay_ms / 1000))
         target.up.clear()
         started = time.monotonic()
         target.server.process.kill()  # type: ignore[union-attr]
@@ -135,10 +152,12 @@ async def soak(target: Target, args: argparse.Namespace) -> Ledger:
     ledger = Ledger()
     deadline = time.monotonic() + args.seconds
     stop = asyncio.Event()
-    readers = [asyncio.create_task(reader(target, ledger, stop)) for _ in range(args.readers)]
+    readers = [
+        asyncio.create_task(reader(target, ledger, stop, args.read_every)) for _ in range(args.readers)
+    ]
     jobs = [writer(i, target, args, ledger, deadline) for i in range(args.writers)]
     if args.kill_every:
-        jobs.append(killer(target, ledger, args.kill_every, deadline))
+        jobs.append(killer(target, ledger, args, deadline))
     await asyncio.gather(*jobs)
     drain_deadline = time.monotonic() + args.drain_s
     while time.monotonic() < drain_deadline and not ledger.acked <= set(ledger.received):
@@ -150,6 +169,14 @@ async def soak(target: Target, args: argparse.Namespace) -> Ledger:
     stop.set()
     await asyncio.gather(*readers)
     return ledger
+
+
+def compactions(url: str) -> int:
+    """The compactions this life of the server has made."""
+    with contextlib.suppress(httpx.HTTPError, KeyError, TypeError):
+        health = httpx.get(f"{url}/health", timeout=5.0, trust_env=False).json()
+        return int(health["storage"]["compactions"])
+    return 0
 
 
 def exported_uids(url: str) -> Counter[str]:
@@ -174,6 +201,7 @@ def account(ledger: Ledger, exported: Counter[str] | None, seconds: float) -> di
         "received": len(received),
         "received_twice": len(twice),
         "kills": ledger.kills,
+        "compactions": ledger.compactions,
         "restart_s_max": round(max(ledger.restart_s), 2) if ledger.restart_s else None,
     }
     delivered = received
@@ -210,6 +238,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--durability", choices=["sync", "flush"], default="sync")
     parser.add_argument("--memory", action="store_true", help="no --data-dir: the buffer in memory only")
     parser.add_argument("--kill-every", type=float, default=0.0, help="SIGKILL and restart every S seconds")
+    parser.add_argument("--kill-on-read", action="store_true", help="time each kill to a read in flight")
+    parser.add_argument(
+        "--kill-delay-ms", type=float, default=4.0, help="with --kill-on-read: kill up to this long after"
+    )
+    parser.add_argument(
+        "--read-every", type=float, default=0.0, help="seconds each reader waits between reads"
+    )
+    parser.add_argument(
+        "--compact-bytes", type=int, default=0, help="the server's --journal-compact-bytes (min 1 MiB)"
+    )
+    parser.add_argument(
+        "--code", type=Path, default=None, help="run the service checked out in this folder (e.g. main's)"
+    )
     parser.add_argument("--drain-s", type=float, default=30.0, help="how long readers may take to drain")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     args = parser.parse_args(argv)
@@ -221,13 +262,19 @@ def main(argv: list[str] | None = None) -> int:
         if not args.memory:
             data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-")))
             server_args += ["--data-dir", str(data_dir), "--durability", args.durability]
-        server = stack.enter_context(common.Server(group_size=args.group_size, extra_args=server_args))
+            if args.compact_bytes:
+                server_args += ["--journal-compact-bytes", str(args.compact_bytes)]
+        entry = (args.code or common.REPO).resolve() / "buffer.py"
+        server = stack.enter_context(
+            common.Server(group_size=args.group_size, extra_args=server_args, entry=entry)
+        )
         target = Target(server)
         started = time.monotonic()
         try:
             ledger = asyncio.run(soak(target, args))
             elapsed = time.monotonic() - started
             exported = None if args.memory else exported_uids(target.url)
+            ledger.compactions += 0 if args.memory else compactions(target.url)
         except BaseException:
             print(f"the server's log:\n{server.log_text()}", file=sys.stderr)
             raise

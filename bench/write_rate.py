@@ -11,6 +11,9 @@ opens a new group; the server runs with ``--group-size 8`` so the groups stay pe
 - "durable" (``--mode durability`` runs it against "empty"): a fresh server with ``--data-dir``
   (a new folder each run) and ``--durability sync`` (or ``--durability flush``): each write is
   answered once it is on disk. The issue's bar: at least half the in-memory rate.
+- "durable-before" (``--mode durability --before DIR``): the same against the code checked out
+  in DIR (e.g. a worktree of main), alternating with the others in the same run, so a change
+  to the storage is measured before and after on the same machine under the same load.
 
 Each run starts its own server on a free loopback port; runs of the two kinds alternate so slow
 drift of the machine affects both alike. Before measuring, a short wrk warm-up runs (its writes
@@ -28,6 +31,7 @@ Run (from the repository root, with the dev venv):
     .venv/bin/python bench/write_rate.py --mode empty --runs 1
     .venv/bin/python bench/write_rate.py --mode all           # also the GET / baseline
     .venv/bin/python bench/write_rate.py --mode durability    # in memory against --data-dir
+    .venv/bin/python bench/write_rate.py --mode durability --before ../main   # and main's code
 
 Needs ``wrk`` on the PATH (or ``--wrk``).
 """
@@ -149,10 +153,13 @@ def run_wrk(args: argparse.Namespace, url: str, script: Path, duration_s: float)
 def one_run(args: argparse.Namespace, mode: str, workdir: Path, index: int) -> dict[str, Any]:
     prefill = args.prefill if mode == "prefilled" else 0
     extra = common.server_args(args.server_args)
-    if mode == "durable":
-        extra += ["--data-dir", str(workdir / f"data-{index}"), "--durability", args.durability]
+    entry = common.REPO / "buffer.py"
+    if mode.startswith("durable"):
+        extra += ["--data-dir", str(workdir / f"data-{mode}-{index}"), "--durability", args.durability]
+    if mode == "durable-before":
+        entry = args.before.resolve() / "buffer.py"  # its own folder first on sys.path: its code
     with (
-        common.Server(args.group_size, extra) as server,
+        common.Server(args.group_size, extra, entry=entry) as server,
         httpx.Client(base_url=server.url, timeout=60.0) as client,
     ):
         if prefill:
@@ -218,7 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     modes = {
         "both": ["empty", "prefilled"],
         "all": ["empty", "prefilled", "baseline"],
-        "durability": ["empty", "durable"],
+        "durability": ["empty", "durable", *(["durable-before"] if args.before else [])],
     }.get(args.mode, [args.mode])
     print(
         f"write_rate: wrk -t{args.threads} -c{args.connections} -d{args.duration:g}s, "
@@ -263,7 +270,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rates = [r["rate"] for r in runs if r["mode"] == mode]
         result[mode] = common.summary(rates)
         print(
-            f"{mode:>9}: median {statistics.median(rates):,.0f} requests/s "
+            f"{mode:>14}: median {statistics.median(rates):,.0f} requests/s "
             f"(runs: {', '.join(f'{rate:,.0f}' for rate in rates)})"
         )
     if "empty" in modes and "prefilled" in modes:
@@ -274,6 +281,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratio = result["durable"]["median"] / result["empty"]["median"]
         result["durable_ratio"] = ratio
         print(f"durable ({args.durability}) / in memory (medians): {ratio:.3f}")
+    if "empty" in modes and "durable-before" in modes:
+        ratio = result["durable-before"]["median"] / result["empty"]["median"]
+        result["durable_before_ratio"] = ratio
+        print(f"durable ({args.durability}), {args.before} / in memory (medians): {ratio:.3f}")
     return result
 
 
@@ -288,6 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--durability", choices=["sync", "flush"], default="sync", help="the durable runs' --durability"
+    )
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="with --mode durability: also run the checkout in this folder",
     )
     parser.add_argument("--runs", type=int, default=3, help="runs of each mode (default 3)")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per wrk run (default 10)")

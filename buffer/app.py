@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from buffer import __version__
-from buffer.errors import RolloutBufferError
+from buffer.errors import InvalidInput, RolloutBufferError
 from buffer.history import History
 from buffer.job_policy import JobPolicy
 from buffer.jobs import JobManager
@@ -29,6 +29,7 @@ from buffer.responses import envelope
 from buffer.rollout_buffer import RolloutBuffer
 from buffer.routes import (
     dashboard,
+    docs,
     export,
     jobs,
     metrics,
@@ -36,10 +37,17 @@ from buffer.routes import (
     rollout,
     service,
     tail,
+    tasks,
     trajectories,
     writes,
 )
-from buffer.security import ApiKeyMiddleware, BodySizeLimitMiddleware, required_key, warn_if_exposed
+from buffer.security import (
+    ApiKeyMiddleware,
+    BodySizeLimitMiddleware,
+    BrowserGuardMiddleware,
+    required_key,
+    warn_if_exposed,
+)
 from buffer.services import Services, local_url
 from buffer.settings import Settings
 from buffer.signals import ReadySignal
@@ -52,18 +60,31 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        registry = GeneratorRegistry(settings.generator_dir)
+        registry = GeneratorRegistry(settings.generator_dir, hook_timeout_s=settings.hook_timeout_s)
         await asyncio.to_thread(registry.refresh)
         buffer = RolloutBuffer(
             settings.default_task_settings(),
             hooks_for=registry.hooks_for,
             dedup_window=settings.dedup_window,
             max_buffered=settings.max_buffered_trajectories,
+            max_tasks=settings.max_tasks,
+            one_group_per_instance=settings.one_group_per_instance,
+            strict_tasks=settings.strict_tasks,
         )
         journal = None if settings.data_dir is None else await asyncio.to_thread(_restore, buffer, settings)
         ready = ReadySignal()
         buffer.add_listener(ready.notify)
-        job_manager = JobManager(buffer, local_url(settings), policy=JobPolicy.from_settings(settings))
+        job_manager = JobManager(
+            buffer,
+            local_url(settings),
+            policy=JobPolicy.from_settings(settings),
+            isolation=settings.job_isolation,
+            grace_s=settings.worker_grace_s,
+            api_key=required_key(settings),
+            log_level=settings.log_level,
+            ray_address=settings.ray_address,
+        )
+        buffer.write_observers.append(job_manager.leases.observe)
         if journal is not None:
             await job_manager.resume(registry, enabled=settings.resume_jobs)
         history = History()
@@ -88,11 +109,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await asyncio.to_thread(journal.close)
                 logger.info("the buffer is on disk in %s", settings.data_dir)
 
-    app = FastAPI(title="rollout-buffer", version=__version__, lifespan=lifespan)
+    # /docs is served from vendored files (routes/docs.py), not FastAPI's CDN page; no ReDoc.
+    app = FastAPI(
+        title="rollout-buffer", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     app.router.routes[:0] = writes.ROUTES  # first: matched before any other route is tried
-    for module in (rollout, policy, trajectories, export, jobs, service, metrics, dashboard, tail):
+    for module in (
+        rollout,
+        policy,
+        trajectories,
+        export,
+        jobs,
+        tasks,
+        service,
+        metrics,
+        dashboard,
+        tail,
+        docs,
+    ):
         app.include_router(module.router)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BrowserGuardMiddleware, allowed_origins=settings.allowed_origins)
     if (key := required_key(settings)) is not None:  # no key: no middleware, no cost
         app.add_middleware(ApiKeyMiddleware, api_key=key)
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so a 401 or 413 has an id too
@@ -162,6 +199,8 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body", said plainly
+        return await _buffer_error(request, InvalidInput.one("body", "is nested too deeply to parse"))
     return envelope(False, str(exc.detail), status_code=exc.status_code, headers=dict(exc.headers or {}))
 
 

@@ -31,7 +31,12 @@ class Unreachable(Exception):
 
 
 def main(argv: Sequence[str], out: TextIO | None = None) -> int:
+    """``status`` or ``tail`` with its flags (``rollout-buffer`` dispatches here)."""
     args = _parser().parse_args(argv)
+    return run(args, out)
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     try:
         if args.command == "status":
@@ -53,21 +58,40 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         return 0
 
 
+def add_status_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_connection_arguments(parser)
+    parser.add_argument(
+        "--sample-s",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="measure write rates over this long (0: from the jobs)",
+    )
+
+
+def add_tail_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_connection_arguments(parser)
+    parser.add_argument("--task", metavar="TASK_TYPE", help="only this task's trajectories")
+    parser.add_argument("--interval-s", type=float, default=1.0, metavar="SECONDS", help="poll this often")
+    parser.add_argument("--limit", type=int, metavar="N", help="stop after this many lines")
+    parser.add_argument("--from-start", action="store_true", help="first the recent ones still kept")
+
+
+def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=DEFAULT_URL, help=f"the buffer (default {DEFAULT_URL})")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("ROLLOUT_BUFFER_API_KEY"),
+        metavar="KEY",
+        help="the buffer's API key (default: $ROLLOUT_BUFFER_API_KEY)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-buffer")
     commands = parser.add_subparsers(dest="command", required=True)
-    status_parser = commands.add_parser("status", help="tasks, jobs, rates and failed generators")
-    tail_parser = commands.add_parser("tail", help="follow the trajectories as they are written")
-    for command in (status_parser, tail_parser):
-        command.add_argument("--url", default=DEFAULT_URL, help=f"the buffer (default {DEFAULT_URL})")
-        command.add_argument("--api-key", default=os.environ.get("ROLLOUT_BUFFER_API_KEY"))
-    status_parser.add_argument(
-        "--sample-s", type=float, default=1.0, help="measure write rates over this long (0: from the jobs)"
-    )
-    tail_parser.add_argument("--task", help="only this task's trajectories")
-    tail_parser.add_argument("--interval-s", type=float, default=1.0, help="poll this often")
-    tail_parser.add_argument("--limit", type=int, help="stop after this many lines")
-    tail_parser.add_argument("--from-start", action="store_true", help="first the recent ones still kept")
+    add_status_arguments(commands.add_parser("status", help="tasks, jobs, rates and failed generators"))
+    add_tail_arguments(commands.add_parser("tail", help="follow the trajectories as they are written"))
     return parser
 
 

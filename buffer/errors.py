@@ -2,12 +2,14 @@
 
     RolloutBufferError                  500  base; never raised itself
     ├── InvalidInput                    422  a field of a request is wrong (names it)
+    │   └── TooManyTasks                     a new task_type past --max-tasks
     ├── NotFound                        404
     │   ├── UnknownTask                      no generator for the task type (lists the known ones)
     │   └── UnknownJob
     ├── GeneratorUnavailable            409  the task's generator file failed to load
     ├── NeedsDataDir                    409  a feature that keeps data on disk, without --data-dir
     ├── BufferFull                      429  past --max-buffered-trajectories; retry later
+    ├── BatchTooLarge                   413  a batch that alone exceeds --max-buffered-trajectories
     └── StorageFailed                   503  the data folder cannot be written
 
 The API maps each to its status and the envelope ``{"success": false, "message": ...}`` in
@@ -51,6 +53,22 @@ class InvalidInput(RolloutBufferError):
 
     def details(self) -> dict[str, Any]:
         return {"errors": self.errors}
+
+
+class TooManyTasks(InvalidInput):
+    """A request would create a task while the buffer keeps its maximum number: tasks are
+    never forgotten (their counters are history), so each name costs memory for good."""
+
+    def __init__(self, field: str, task_type: str, limit: int) -> None:
+        super().__init__(
+            [
+                (
+                    field,
+                    f"would be a new task {task_type!r}, past the {limit} tasks "
+                    "the buffer keeps (--max-tasks)",
+                )
+            ]
+        )
 
 
 class NotFound(RolloutBufferError):
@@ -102,18 +120,35 @@ class BufferFull(RolloutBufferError):
     status_code = 429
     retry_after_s = 1
 
-    def __init__(self, buffered: int, limit: int) -> None:
-        self.buffered, self.limit = buffered, limit
+    def __init__(self, buffered: int, limit: int, adding: int = 1) -> None:
+        self.buffered, self.limit, self.adding = buffered, limit, adding
         super().__init__(
-            f"the buffer holds {buffered} trajectories, its maximum (--max-buffered-trajectories "
-            f"{limit}); retry once the trainer has read some"
+            f"the buffer holds {buffered} trajectories and this write would add {adding} in new groups, "
+            f"past its maximum (--max-buffered-trajectories {limit}); retry once the trainer has read some"
         )
 
     def details(self) -> dict[str, Any]:
-        return {"buffered": self.buffered, "limit": self.limit}
+        return {"buffered": self.buffered, "limit": self.limit, "adding": self.adding}
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class BatchTooLarge(RolloutBufferError):
+    """A batch that would open more trajectories than the buffer may hold at all: it can never
+    be taken whole, however long the client waits, so it is not a 429."""
+
+    status_code = 413
+
+    def __init__(self, adding: int, limit: int) -> None:
+        self.adding, self.limit = adding, limit
+        super().__init__(
+            f"this batch would add {adding} trajectories in new groups, more than the buffer ever holds "
+            f"(--max-buffered-trajectories {limit}); send smaller batches"
+        )
+
+    def details(self) -> dict[str, Any]:
+        return {"adding": self.adding, "limit": self.limit}
 
 
 class StorageFailed(RolloutBufferError):

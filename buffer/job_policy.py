@@ -9,7 +9,8 @@ the operator did not allow:
   if it exists: no ``/etc/...`` read back through an evaluation rollout, no ``/dev/zero`` read
   until memory runs out. The job gets the resolved path (one that does not exist yet is
   passed on: the generator reports it, or has a use of its own for the name).
-- every URL (a field named ``*_url``, or ``*_urls`` holding a list) must be http(s), and with
+- every URL (a field named ``*_url``, or ``*_urls`` holding a list; a ``*_url`` may hold a
+  list too: ``remote_engine_url`` naming an engine pool) must be http(s), and with
   ``engine_hosts`` set, name one of those hosts or this service itself. Unset, any host is
   allowed (slime's trainers name their engines freely), with a warning at start-up when the
   service listens beyond this machine.
@@ -22,7 +23,6 @@ buffer sends that buffer's key itself (``buffer_api_key``).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 import stat
@@ -33,6 +33,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from buffer.errors import InvalidInput
+from buffer.security import is_loopback
 from buffer.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class JobPolicy:
             _hosts(settings.allowed_engine_hosts) if settings.allowed_engine_hosts is not None else None,
             _hosts(settings.send_api_key_to),
         )
-        if policy.engine_hosts is None and not _is_loopback(settings.host):
+        if policy.engine_hosts is None and not is_loopback(settings.host):
             logger.warning(
                 "listening on %s: a client may make generator jobs call any host it names "
                 "(remote_engine_url, reward model URLs); name the hosts allowed with "
@@ -79,9 +80,9 @@ class JobPolicy:
         if input_file is not None:
             checked["input_file"] = str(self._input_file(input_file))
         for field, value in data.items():
-            if field.endswith("_url"):
+            if field.endswith("_url") and not isinstance(value, list):
                 self._url(field, value, service_url)
-            elif field.endswith("_urls") and isinstance(value, list):
+            elif field.endswith(("_url", "_urls")) and isinstance(value, list):
                 for index, url in enumerate(value):
                     self._url(f"{field}.{index}", url, service_url)
         return checked
@@ -124,12 +125,3 @@ class JobPolicy:
 
 def _hosts(names: Iterable[str]) -> frozenset[str]:
     return frozenset(name.strip().lower().strip("[]") for name in names if name.strip())
-
-
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -1,12 +1,22 @@
 """Running generators in the background, as jobs with a status.
 
-An async ``run_rollout`` runs as a task on the service's event loop; a sync one in a thread
-of its own (a generator may run for hours, so it must not hold a slot of a shared pool).
-Every job is owned: it has a status, its failure is logged with the traceback and kept on
-the job (its description says only ``where`` it happened: no traceback reaches a client),
-and shutdown cancels and awaits what is still running.
+By default (``isolation="process"``) a job's generator runs in worker processes of its own
+(``buffer.workers``): ``num_workers`` of them (default 1), each running its share of the plan,
+each in its own process group. A worker that fails, exits or is killed fails the job with what
+happened (its exception and where, or its exit code or signal) and stops the others; the
+service carries on. A cancel stops every worker's whole group, SIGTERM then SIGKILL after
+``grace_s``, and returns only once they are gone: a restart never runs two at once. A worker
+killed by SIGKILL (the OOM killer, an operator) is not a bug of the generator: the job's
+workers are stopped and run again, told in ``data["resume"]`` what the buffer already holds,
+so no group is lost and none made twice (at most ``MAX_WORKER_RESTARTS`` times).
 
-Python cannot stop a thread, so cancelling a sync generator is cooperative: the job turns
+With ``isolation="inline"`` (tests, debugging) an async ``run_rollout`` runs as a task on the
+service's event loop; a sync one in a thread of its own (a generator may run for hours, so it
+must not hold a slot of a shared pool). Every job is owned: it has a status, its failure is
+logged with the traceback and kept on the job (its description says only ``where`` it
+happened: no traceback reaches a client), and shutdown cancels and awaits what still runs.
+
+Inline, Python cannot stop a thread, so cancelling a sync generator is cooperative: the job turns
 ``cancelled`` at once, and the generator can see ``current_job().cancel_requested`` and
 return. An async generator is cancelled outright.
 
@@ -24,8 +34,11 @@ import contextlib
 import contextvars
 import enum
 import functools
+import importlib.util
 import itertools
 import logging
+import os
+import signal
 import threading
 import time
 import traceback
@@ -33,16 +46,26 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from buffer.errors import InvalidInput, UnknownJob
 from buffer.job_policy import JobPolicy
 from buffer.registry import Generator, GeneratorRegistry, where
 from buffer.rollout_buffer import RolloutBuffer
+from buffer.workers import ray_worker
+from buffer.workers.leases import LeaseBoard
+from buffer.workers.process import WorkerOutcome, WorkerProcess
+from buffer.workers.ray_worker import RayWorker
+from buffer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
-CANCEL_WAIT_S = 5.0  # how long a cancel waits for an async generator to stop
+CANCEL_WAIT_S = 5.0  # how long a cancel waits for an inline async generator to stop
+#: At most this many worker processes per job.
+MAX_WORKERS = 64
+#: A job whose worker is SIGKILLed runs again for what is missing at most this many times.
+MAX_WORKER_RESTARTS = 2
+Isolation = Literal["process", "inline"]
 #: A job running at this many crashes of the service in a row is not resumed again.
 MAX_CRASHES = 2
 
@@ -73,6 +96,8 @@ class Job:
     buffer_url: str | None = None
     #: What it may read and call; the service's API key goes only where this allows.
     policy: JobPolicy | None = field(default=None, repr=False)
+    #: Running in a worker process: its sink writes to ``buffer_url`` over HTTP.
+    in_worker: bool = False
     status: JobStatus = JobStatus.RUNNING
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
@@ -80,6 +105,8 @@ class Job:
     traceback: str | None = None  # for the log only
     where: str | None = None  # the innermost frame of the generator's code
     progress: dict[str, Any] = field(default_factory=dict)
+    workers: list[WorkerProcess | RayWorker] = field(default_factory=list, repr=False)
+    restarts: int = 0  # of its workers, after one was killed
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -102,16 +129,41 @@ class Job:
             "finished_at": self.finished_at,
             "duration_s": round(end - self.started_at, 3),
             "counters": {"written": written_now - self.written_at_start},
-            "progress": dict(self.progress),
+            "progress": _merged([worker.progress() for worker in self.workers])
+            if self.workers
+            else dict(self.progress),
             "error": self.error,
             "where": self.where,
+            "workers": [worker.describe() for worker in self.workers],
+            "worker_restarts": self.restarts,
         }
 
 
 class JobManager:
     def __init__(
-        self, buffer: RolloutBuffer, buffer_url: str, keep: int = 1000, *, policy: JobPolicy | None = None
+        self,
+        buffer: RolloutBuffer,
+        buffer_url: str,
+        keep: int = 1000,
+        *,
+        policy: JobPolicy | None = None,
+        isolation: Isolation = "process",
+        grace_s: float = 5.0,
+        api_key: str | None = None,
+        log_level: str = "info",
+        ray_address: str | None = None,
     ) -> None:
+        """``api_key``: the service's own, given to its workers to write back to it;
+        ``ray_address``: run workers as Ray actors there (a job's ``ray_address`` too)."""
+        self.isolation = isolation
+        self.ray_address = ray_address
+        self._api_key = api_key
+        self.grace_s = grace_s
+        self._log_level = log_level
+        self._worker_env = _worker_env(api_key)
+        self._locks: dict[str, asyncio.Lock] = {}
+        #: Work leases for workers that ask for them (``rollout-buffer worker --leases``).
+        self.leases = LeaseBoard()
         self._buffer = buffer
         self._buffer_url = buffer_url
         self.policy = policy or JobPolicy(input_roots=(Path.cwd(),))
@@ -122,7 +174,28 @@ class JobManager:
 
     async def check(self, data: dict[str, Any]) -> dict[str, Any]:
         """``data`` as a job may run it (``JobPolicy.check``): call before ``start``."""
-        return await self.policy.check(data, self._buffer_url)
+        checked = await self.policy.check(data, self._buffer_url)
+        workers = checked.get("num_workers", 1)
+        if isinstance(workers, str) and workers.isdigit():  # slime sends numbers as strings
+            workers = int(workers)
+        if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+            raise InvalidInput.one("num_workers", f"a whole number from 1 to {MAX_WORKERS}, not {workers!r}")
+        if workers > 1 and self.isolation == "inline":
+            raise InvalidInput.one("num_workers", "more than 1 needs worker processes; jobs run inline here")
+        checked["num_workers"] = workers
+        ray_address = checked.get("ray_address")
+        if ray_address is not None and not (isinstance(ray_address, str) and ray_address):
+            raise InvalidInput.one("ray_address", "a Ray cluster's address, e.g. ray://head:10001, or local")
+        if (ray_address or self.ray_address) and importlib.util.find_spec("ray") is None:
+            raise InvalidInput.one(
+                "ray_address", "Ray is not installed here: pip install 'rollout-buffer[ray]'"
+            )
+        return checked
+
+    def lock(self, name: str) -> asyncio.Lock:
+        """Held while a job of the task ``name`` is being started or replaced, so two requests
+        at once never leave two running."""
+        return self._locks.setdefault(name, asyncio.Lock())
 
     def start(self, generator: Generator, data: dict[str, Any], *, name: str | None = None) -> Job:
         """Run ``generator.run_rollout(data)`` in the background, as the buffer task ``name``
@@ -202,7 +275,92 @@ class JobManager:
         return job
 
     def _launch(self, job: Job, generator: Generator) -> None:
-        job._task = asyncio.get_running_loop().create_task(self._run(job, generator), name=job.id)
+        run = self._run_workers if self.isolation == "process" else self._run
+        job._task = asyncio.get_running_loop().create_task(run(job, generator), name=job.id)
+
+    async def _run_workers(self, job: Job, generator: Generator) -> None:
+        data = job.data
+        try:
+            while True:
+                failure = await self._run_round(job, generator, data)
+                if failure is None or job.done:
+                    break
+                if failure.returncode == -signal.SIGKILL and job.restarts < MAX_WORKER_RESTARTS:
+                    # Killed from outside (the OOM killer, an operator): the job's other workers
+                    # were stopped too, so what the buffer holds is all that was made; run again
+                    # for the rest, as a job resumed after a restart of the service would.
+                    job.restarts += 1
+                    data = {**job.data, "resume": self._buffer.resume_point(job.task_type)}
+                    logger.warning(
+                        "%s: a worker was killed by SIGKILL; running the job's workers again for what "
+                        "is missing (restart %d of %d)",
+                        job.id,
+                        job.restarts,
+                        MAX_WORKER_RESTARTS,
+                    )
+                    continue
+                status = JobStatus.CANCELLED if failure.status == "cancelled" else JobStatus.FAILED
+                self._finish(job, status, failure.error, at=failure.where)
+                logger.error("%s: %s worker %s: %s", job.id, job.task_type, failure.status, failure.error)
+                break
+        except asyncio.CancelledError:
+            await asyncio.shield(self._stop_workers(job))
+            self._finish(job, JobStatus.CANCELLED)
+            raise
+        except Exception as exc:  # a worker could not be started at all
+            await self._stop_workers(job)
+            self._finish(job, JobStatus.FAILED, f"could not start a worker process: {exc}")
+            logger.exception("%s: could not start a worker process", job.id)
+        else:
+            if not job.done:
+                self._finish(job, JobStatus.SUCCEEDED)
+                logger.info("%s: %s generator finished", job.id, job.task_type)
+
+    async def _run_round(self, job: Job, generator: Generator, data: dict[str, Any]) -> WorkerOutcome | None:
+        """Run the job's workers until all succeed (None) or one does not (its outcome; the
+        others are stopped)."""
+        count = int(data.get("num_workers", 1))
+        policy = WorkerSpec.policy_fields(self.policy)
+        ray_address = data.get("ray_address") or self.ray_address
+        specs = [
+            WorkerSpec(
+                job.id,
+                job.task_type,
+                str(generator.path),
+                _share_of(data, index, count),
+                # On a Ray cluster, the address the job names for the buffer: reachable from there.
+                str(data.get("remote_buffer_url") or self._buffer_url) if ray_address else self._buffer_url,
+                index=index,
+                count=count,
+                log_level=self._log_level,
+                **policy,
+            )
+            for index in range(count)
+        ]
+        if ray_address:
+            key = self._worker_env.get("ROLLOUT_BUFFER_API_KEY")
+            env = {"ROLLOUT_BUFFER_API_KEY": key} if key and self._api_key else {}
+            job.workers = [RayWorker(spec, str(ray_address), env) for spec in specs]
+        else:
+            job.workers = [WorkerProcess(spec, env=self._worker_env) for spec in specs]
+        for worker in job.workers:
+            await worker.start()
+        pending = {asyncio.ensure_future(worker.wait()) for worker in job.workers}
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for finished in done:
+                    outcome = finished.result()
+                    if outcome.status != "succeeded":
+                        await self._stop_workers(job)  # the others' share is lost anyway
+                        return outcome
+            return None
+        finally:
+            for waiting in pending:
+                waiting.cancel()
+
+    async def _stop_workers(self, job: Job) -> None:
+        await asyncio.gather(*(worker.stop(self.grace_s) for worker in job.workers))
 
     async def _run(self, job: Job, generator: Generator) -> None:
         token = _current_job.set(job)
@@ -272,7 +430,13 @@ class JobManager:
             return job
         job._cancel.set()
         self._finish(job, JobStatus.CANCELLED)
-        if job._task is not None:
+        if self.isolation == "process":
+            # Every worker's group has gone before this returns: nothing writes after a cancel.
+            await self._stop_workers(job)
+            if job._task is not None:
+                job._task.cancel()
+                await asyncio.gather(job._task, return_exceptions=True)
+        elif job._task is not None:
             job._task.cancel()
             # A generator that catches CancelledError and carries on must not hang the caller
             # (a cancel request, a restart, the service's shutdown).
@@ -285,10 +449,47 @@ class JobManager:
     async def shutdown(self) -> None:
         """Stop every job; each runs again after a restart, and this stop is no crash."""
         self._stopping = True
-        for job in list(self._jobs.values()):
-            if not job.done:
-                self._buffer.job_paused(job.task_type)
-                await self.cancel(job.id)
+        running = [job for job in self._jobs.values() if not job.done]
+        for job in running:
+            self._buffer.job_paused(job.task_type)
+        await asyncio.gather(*(self.cancel(job.id) for job in running))
+        await asyncio.to_thread(ray_worker.shutdown)
+
+
+def _share_of(data: dict[str, Any], index: int, count: int) -> dict[str, Any]:
+    """The data worker ``index`` of ``count`` runs with: its part of ``num_process`` (the
+    trajectories in flight are the job's, spread over its workers)."""
+    total = data.get("num_process")
+    if count == 1 or total is None:
+        return data
+    total = int(total)
+    return {**data, "num_process": max(1, total // count + (1 if index < total % count else 0))}
+
+
+def _merged(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One progress report from each worker's: numbers added up, anything else the first's."""
+    if len(reports) == 1:
+        return reports[0]
+    merged: dict[str, Any] = {}
+    for report in reports:
+        for key, value in report.items():
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if key in merged and number and isinstance(merged[key], (int, float)):
+                merged[key] += value
+            else:
+                merged.setdefault(key, value)
+    return merged
+
+
+def _worker_env(api_key: str | None) -> dict[str, str]:
+    """A worker's environment: the service's, this package first on its path, and the service's
+    own key so its writes back are let in."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    if api_key:
+        env["ROLLOUT_BUFFER_API_KEY"] = api_key
+    return env
 
 
 async def _run_in_own_thread(fn: Callable[[dict[str, Any]], Any], data: dict[str, Any], *, name: str) -> Any:

@@ -1,65 +1,93 @@
-"""The buffer on disk: a journal of every change, snapshots that compact it, and the export log.
+"""The buffer on disk: one SQLite database holding every change, a snapshot, and the export.
 
     DATA_DIR/
-      LOCK                          flock-ed while a service uses the folder
-      journal/00000007.snapshot     the whole state as of the start of segment 7
-      journal/00000007.log          the changes since, in order (segments 7, 8, ...)
-      delivered/2026-11-21T14.jsonl the trajectories reads delivered, one file an hour
+      LOCK                 flock-ed while a service uses the folder
+      buffer.sqlite3       (with -wal and -shm beside it while open)
+        events(id, header, payload)      the changes since the snapshot, in order, ids dense
+        snapshot(id, header, payload)    the whole state as of the events it replaced
+        delivered(id, read_id, delivered_at, task_type, instance_id, trajectory)   the export
+        meta(key, value)                 the format, the last event id, what the snapshot covers
 
-A record is ``<u32 length><u32 CRC-32>`` and a body: the event's JSON header, a newline, and
-its payload (trajectories bytes for bytes as the buffer holds them). A start-up replays the
-newest snapshot, then the segments after it; a torn record at the end of the last segment
-(the write a crash interrupted, never acknowledged) is cut off, a bad record anywhere else
-stops the start-up rather than silently lose what follows.
+An event is the buffer's record of one change: a JSON header (``e`` names its kind) and a
+payload (trajectories bytes for bytes as the buffer holds them). The buffer replays them
+through the same code that made the change (``RolloutBuffer._apply``): the tables hold a log,
+never a second copy of the rules.
 
-Appends come from the buffer under its lock, so the journal's order is the buffer's order,
-and cost a list append. One writer thread writes what has gathered in one ``os.write`` and
-one ``fdatasync`` (group commit), then releases everyone waiting on it: ``wait_durable``
-for the event loop, ``wait_durable_blocking`` for threads. A write is acknowledged only
-after that wait. With ``sync=False`` the writer skips the ``fdatasync``: the data has
-reached the OS, which survives a crash of the service, not of the machine.
+Appends come from the buffer under its lock, so the log's order is the buffer's order, and
+cost a list append. One writer thread commits what has gathered in one transaction (group
+commit) and then releases everyone waiting on it: ``wait_durable`` for the event loop,
+``wait_durable_blocking`` for threads. A write is acknowledged only after that wait.
 
-When the segments since the snapshot outgrow ``compact_bytes`` (and the snapshot itself),
-a compaction thread asks the buffer for its state (``Snapshotter``: a rotation to a new
-segment and a copy of references, under the buffer's lock), writes it as the next snapshot
-and deletes what it replaces. The journal never grows past a few times the live state.
+``synchronous`` follows the promise made on acknowledgement. ``--durability sync`` (FULL): the
+WAL is fsync-ed at each commit, so an acknowledged change survives power loss. ``flush``
+(NORMAL): a commit reaches the OS without an fsync (the WAL is synced at checkpoints), which
+survives a crash of the service, not of the machine; that is what ``flush`` promises.
 
-Why not SQLite: the state is a handful of queues and windows that one code path already
-maintains; a journal replays through that same code, where tables would need a second
-implementation of every rule to stay in step with it.
+A read (``read``) is one entry: its event and its export rows go into the same transaction,
+so a read is delivered and exported together or not at all. A commit that fails (a full disk,
+an I/O error, any exception) fails every waiter with ``StorageFailed``, takes back every read
+not yet committed (``undo``: their groups return to the buffer, never marked delivered), and
+is retried until it succeeds; then the journal takes writes again, without a restart.
+
+Compaction writes the state into a staging table from its own connection, in short
+transactions, then hands the writer an ``_Install`` entry. The state is captured at a position
+of the log (under the buffer's lock) and the writer installs it (replace the snapshot, delete
+the events up to that position) in order, so in the same transaction as or a later one than
+every change before it: a compaction never makes durable a state whose changes are not.
+A failure in between voids the compaction, since the reads it took back are in that state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
-import os
-import struct
+import math
+import sqlite3
 import threading
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import orjson
 
-from buffer.errors import StorageFailed
+from buffer import storable
+from buffer.errors import InvalidInput, StorageFailed
 
 logger = logging.getLogger(__name__)
 
-_FRAME = struct.Struct("<II")
-_SEGMENT_DIGITS = 8
+DATABASE = "buffer.sqlite3"
+FORMAT_VERSION = 1
+#: How long the writer waits before it tries a failed commit again.
+RETRY_INTERVAL_S = 1.0
+_STAGING_ROWS = 2000
+_WAL_LIMIT_BYTES = 64 * 2**20
+
+_LOG_COLUMNS = "(id INTEGER PRIMARY KEY, header TEXT NOT NULL, payload BLOB NOT NULL)"
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events {_LOG_COLUMNS};
+CREATE TABLE IF NOT EXISTS snapshot {_LOG_COLUMNS};
+CREATE TABLE IF NOT EXISTS delivered (
+    id INTEGER PRIMARY KEY,
+    read_id INTEGER NOT NULL,
+    delivered_at REAL NOT NULL,
+    task_type TEXT NOT NULL,
+    instance_id NOT NULL,
+    trajectory TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS delivered_at ON delivered (delivered_at);
+"""
 
 
 class JournalCorrupt(Exception):
-    """A record in the middle of the journal is unreadable: the start-up stops instead of
-    dropping everything after it."""
+    """The data folder is damaged: the start-up stops, naming the file and the problem.
+    ``rollout-buffer check DIR --repair`` salvages what can be read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,51 +108,79 @@ class Event:
 
 
 def encode(header: dict[str, Any], parts: Sequence[bytes] = ()) -> bytes:
-    """One framed record. With more than one payload part, ``n`` records their lengths."""
+    """One record: the header's JSON, a newline, the payload parts. With more than one part,
+    ``n`` records their lengths.
+
+    orjson writes a non-finite float as ``null``, which would read back as something else
+    (and stop every later start-up): such a header is refused with ``InvalidInput``."""
     if len(parts) > 1:
         header = {**header, "n": [len(part) for part in parts]}
-    body = b"".join((orjson.dumps(header), b"\n", *parts))
-    return _FRAME.pack(len(body), zlib.crc32(body)) + body
+    head = orjson.dumps(header)
+    if b"null" in head:  # cheap: only then look for the float behind it
+        refuse_non_finite(header)
+    return b"".join((head, b"\n", *parts))
 
 
-def _decode(body: bytes) -> Event:
-    newline = body.index(b"\n")
-    return Event(orjson.loads(body[:newline]), body[newline + 1 :])
+def refuse_non_finite(value: Any, prefix: str = "") -> None:
+    """Raise ``InvalidInput`` naming the first float in ``value`` that is inf or nan."""
+    where = storable.non_finite_at(value)
+    if where is not None:
+        field = ".".join(str(part) for part in (*([prefix] if prefix else []), *where))
+        raise InvalidInput.one(field, "must be a finite number (the data folder cannot keep inf or nan)")
 
 
-def read_records(path: Path) -> tuple[list[Event], int, int]:
-    """The events of one file, the offset where its valid records end, and its size."""
-    data = path.read_bytes()
-    events: list[Event] = []
-    offset = 0
-    while offset + _FRAME.size <= len(data):
-        length, crc = _FRAME.unpack_from(data, offset)
-        body = data[offset + _FRAME.size : offset + _FRAME.size + length]
-        if len(body) < length or zlib.crc32(body) != crc:
-            break
-        try:
-            events.append(_decode(body))
-        except (ValueError, orjson.JSONDecodeError):
-            break
-        offset += _FRAME.size + length
-    return events, offset, len(data)
+def split(record: bytes) -> tuple[str, memoryview]:
+    """A record's header (as text) and payload, as the tables store them."""
+    newline = record.index(b"\n")
+    return record[:newline].decode(), memoryview(record)[newline + 1 :]
 
 
-#: Called by the compaction thread: under the lock every append is made under, calls
-#: ``rotate`` and captures the state; returns the new segment's number and the state's
-#: records (which may be produced lazily, outside the lock).
+#: Called by the compaction thread: under the lock every append is made under, reads
+#: ``position`` and captures the state; returns that position and the state's records
+#: (which may be produced lazily, outside the lock).
 Snapshotter = Callable[[], tuple[int, Iterable[bytes]]]
 
-
-@dataclass(frozen=True, slots=True)
-class _Rotate:
-    segment: int
+#: An export row: (read_id, delivered_at, task_type, instance_id, trajectory bytes).
+ExportRow = tuple[int, float, str, Any, bytes]
 
 
 @dataclass(frozen=True, slots=True)
-class _Delivered:
-    at: float
-    lines: Callable[[], list[bytes]]
+class _Read:
+    """A read: its event and its export rows (made in the writer thread) in one transaction;
+    ``undo`` gives its groups back to the buffer if the commit fails."""
+
+    record: bytes
+    rows: Callable[[], Iterable[ExportRow]]
+    undo: Callable[[], None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Install:
+    position: int
+    generation: int
+    rows: int
+
+
+_Entry = bytes | _Read | _Install | None  # None: a read taken back
+#: The event of a position with no change (a read taken back, a compaction): replays to nothing.
+_NOTHING = b'{"e":"nop"}\n'
+
+
+def connect(path: Path, *, sync: bool = True, readonly: bool = False) -> sqlite3.Connection:
+    """A connection in autocommit mode (transactions are explicit), WAL, and the
+    ``synchronous`` level the durability asks for."""
+    if readonly:
+        connection = sqlite3.connect(
+            f"file:{path}?mode=ro", uri=True, isolation_level=None, check_same_thread=False
+        )
+    else:
+        connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    connection.execute("PRAGMA busy_timeout = 60000")
+    if not readonly:
+        connection.execute("PRAGMA journal_mode = WAL")
+        connection.execute(f"PRAGMA synchronous = {'FULL' if sync else 'NORMAL'}")
+        connection.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT_BYTES}")  # after a big compaction
+    return connection
 
 
 class Journal:
@@ -136,71 +192,103 @@ class Journal:
         compact_bytes: int = 256 * 2**20,
         retention_s: float = 7 * 24 * 3600.0,
     ) -> None:
+        if not math.isfinite(retention_s) or retention_s < 0:
+            raise ValueError(
+                f"the export retention must be a finite number of seconds >= 0, not {retention_s}"
+            )
         self.directory = directory
+        self.database = directory / DATABASE
         self.sync = sync
         self.compact_bytes = compact_bytes
         self.retention_s = retention_s
-        self._journal_dir = directory / "journal"
-        self.delivered_dir = directory / "delivered"
-        self._journal_dir.mkdir(parents=True, exist_ok=True)
-        self.delivered_dir.mkdir(exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
         self._lock_file = _lock(directory / "LOCK")
+        self._db: sqlite3.Connection | None = None
         self._cv = threading.Condition(threading.Lock())
-        self._pending: list[bytes | _Rotate | _Delivered] = []
-        self._appended = 0  # records appended, ever: the position a waiter waits for
+        self._buffer_lock: threading.RLock | Any = threading.RLock()
+        self._pending: list[_Entry] = []
+        self._appended = 0  # the position of the last entry appended, ever
         self._durable = 0
         self._waiters: deque[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = deque()
         self._failure: OSError | None = None
+        self._last_error = OSError(errno.EIO, "no failure")
+        self._generation = 0  # bumped by each failure: a compaction from before it is void
         self._closing = False
         self._writer: threading.Thread | None = None
-        self._fd = -1
-        self._segment = 0
-        self._since_snapshot = 0  # bytes in the segments after the snapshot
+        self._since_snapshot = 0  # bytes of events since the snapshot
         self._snapshot_bytes = 0
         self._snapshotter: Snapshotter | None = None
         self._compacting: threading.Thread | None = None
+        self._install_pending = False  # a compaction staged or queued, not yet installed
         self._no_compaction = False
-        self._delivered_fd = -1
-        self._delivered_hour = ""
         self._next_retention_check = 0.0
         self.bytes_written = 0
         self.commits = 0
         self.compactions = 0
+        self.failures = 0
 
     # -- start-up ----------------------------------------------------------------------
 
     def recover(self) -> Iterator[Event]:
-        """The events to restore the buffer from: the newest snapshot, then every segment
-        after it. Cuts a torn tail off the last segment. Call once, before ``start``."""
-        for partial in self._journal_dir.glob("*.partial"):  # a compaction the stop interrupted
-            partial.unlink()
-        snapshots = sorted(self._journal_dir.glob("*.snapshot"))
-        base = int(snapshots[-1].stem) if snapshots else 0
-        segments = sorted(p for p in self._journal_dir.glob("*.log") if int(p.stem) >= base)
-        self._segment = int(segments[-1].stem) if segments else base
-        if snapshots:
-            events, end, size = read_records(snapshots[-1])
-            if end != size:
-                raise JournalCorrupt(f"{snapshots[-1]}: unreadable record at byte {end} of {size}")
-            self._snapshot_bytes = size
-            yield from events
-        for index, path in enumerate(segments):
-            events, end, size = read_records(path)
-            if end != size:
-                if index != len(segments) - 1:
-                    raise JournalCorrupt(f"{path}: unreadable record at byte {end} of {size}")
-                logger.warning("%s: cutting off %d bytes of a write that never completed", path, size - end)
-                with path.open("r+b") as file:
-                    file.truncate(end)
-                    os.fsync(file.fileno())
-            self._since_snapshot += end
-            yield from events
+        """The events to restore the buffer from: the snapshot, then every event after it.
+        Migrates a folder of the former journal files first. Call once, before ``start``."""
+        from buffer import migration  # only for start-up
 
-    def start(self, snapshotter: Snapshotter | None = None) -> None:
-        """Open a new segment after those recovered and start the writer thread."""
+        migration.migrate(self.directory, self.database)
+        try:
+            self._db = connect(self.database, sync=self.sync)
+            problems = [row[0] for row in self._db.execute("PRAGMA quick_check")]
+            if problems != ["ok"]:
+                raise JournalCorrupt(f"{self.database}: {'; '.join(problems[:5])}{self._repair_hint}")
+            self._db.executescript(SCHEMA)
+            self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (str(FORMAT_VERSION),))
+            last = self._db.execute("SELECT max(id) FROM events").fetchone()[0]
+        except sqlite3.DatabaseError as exc:
+            raise JournalCorrupt(f"{self.database}: {exc}{self._repair_hint}") from exc
+        self._appended = self._durable = last or 0
+        for table in ("snapshot", "events"):
+            for event_id, header, payload in self._rows(table):
+                size = len(header) + len(payload)
+                if table == "snapshot":
+                    self._snapshot_bytes += size
+                else:
+                    self._since_snapshot += size
+                try:
+                    yield Event(orjson.loads(header), bytes(payload))
+                except orjson.JSONDecodeError as exc:
+                    message = f"{self.database}: {table} row {event_id}: {exc}{self._repair_hint}"
+                    raise JournalCorrupt(message) from exc
+
+    @property
+    def _repair_hint(self) -> str:
+        return f" (`rollout-buffer check {self.directory} --repair` salvages what can be read)"
+
+    def _rows(self, table: str) -> Iterator[tuple[int, str, bytes]]:
+        assert self._db is not None
+        last = -1
+        while True:  # in pages: a cursor over the whole table would hold a read open
+            try:
+                rows = self._db.execute(
+                    f"SELECT id, header, payload FROM {table} WHERE id > ? ORDER BY id LIMIT 1000",
+                    (last,),
+                ).fetchall()
+            except sqlite3.DatabaseError as exc:
+                message = f"{self.database}: {table} after row {last}: {exc}{self._repair_hint}"
+                raise JournalCorrupt(message) from exc
+            if not rows:
+                return
+            yield from rows
+            last = rows[-1][0]
+
+    def start(self, snapshotter: Snapshotter | None = None, *, lock: Any = None) -> None:
+        """Start the writer thread. ``lock`` is the one every append is made under: a failed
+        commit takes reads back under it."""
+        if self._db is None:
+            for _ in self.recover():
+                pass
         self._snapshotter = snapshotter
-        self._segment += 1
-        self._fd = self._open_segment(self._segment)
+        if lock is not None:
+            self._buffer_lock = lock
         self._writer = threading.Thread(target=self._write_forever, name="journal-writer", daemon=True)
         self._writer.start()
 
@@ -212,23 +300,18 @@ class Journal:
             self._appended += 1
             self._cv.notify()
 
-    def rotate(self) -> int:
-        """Start a new segment at this point of the order; returns its number. The state the
-        caller snapshots now is the state as of the start of that segment."""
+    def read(self, record: bytes, rows: Callable[[], Iterable[ExportRow]], undo: Callable[[], None]) -> None:
+        """Log a read with its export rows, committed together. ``rows`` makes the rows in the
+        writer thread, off the reader's path; ``undo`` takes the read back if the commit fails."""
         with self._cv:
-            self._segment += 1
-            self._pending.append(_Rotate(self._segment))
+            self._pending.append(_Read(record, rows, undo))
             self._appended += 1
             self._cv.notify()
-            return self._segment
 
-    def deliver(self, at: float, lines: Callable[[], list[bytes]]) -> None:
-        """Add trajectories a read delivered to the export log, made durable with the read.
-        ``lines`` makes them, in the writer thread, off the reader's path."""
+    def position(self) -> int:
+        """The position of the last change appended: a snapshot taken now covers up to it."""
         with self._cv:
-            self._pending.append(_Delivered(at, lines))
-            self._appended += 1
-            self._cv.notify()
+            return self._appended
 
     # -- waiting -----------------------------------------------------------------------
 
@@ -248,72 +331,112 @@ class Journal:
         """``wait_durable`` for a thread."""
         with self._cv:
             target = self._appended
-            if not self._cv.wait_for(lambda: self._durable >= target or self._failure is not None, timeout_s):
+            failures = self.failures
+            if not self._cv.wait_for(
+                lambda: self._durable >= target or self.failures != failures or self._failure is not None,
+                timeout_s,
+            ):
                 raise TimeoutError("the journal did not reach the disk in time")
-            if self._durable < target and self._failure is not None:
-                raise StorageFailed(self._failure)
+            if self.failures != failures or (self._durable < target and self._failure is not None):
+                raise StorageFailed(self._last_error)
 
     # -- the writer thread -------------------------------------------------------------
 
     def _write_forever(self) -> None:
+        batch: list[_Entry] = []
+        first = self._durable + 1  # the position of batch[0]
         while True:
             with self._cv:
-                while not self._pending and not self._closing:
+                while not self._pending and not batch and not self._closing:
                     self._cv.wait()
-                batch, self._pending = self._pending, []
+                first = self._durable + 1 if not batch else first
+                batch.extend(self._pending)
+                self._pending = []
                 target, closing = self._appended, self._closing
-            if batch:
-                try:
-                    self._commit(batch)
-                except OSError as exc:
-                    logger.critical(
-                        "the journal cannot write to %s: %s; writes now fail", self.directory, exc
-                    )
-                    self._fail(exc)
+            if not batch:
+                return  # closing, and everything written
+            try:
+                self._commit(batch, first)
+            except Exception as exc:  # whatever it is: fail the waiters, never die
+                self._fail(exc, batch)
+                if closing:
                     return
-                self._release(target)
-                self._maybe_compact()
-            if closing and not batch:
-                return
-
-    def _commit(self, batch: list[bytes | _Rotate | _Delivered]) -> None:
-        chunk: list[bytes] = []
-        delivered = False
-        for entry in batch:
-            if isinstance(entry, bytes):
-                chunk.append(entry)
+                with self._cv:
+                    self._cv.wait_for(lambda: self._closing, RETRY_INTERVAL_S)
                 continue
-            self._write(self._fd, chunk)
-            chunk = []
-            if isinstance(entry, _Rotate):
-                os.fsync(self._fd)
-                os.close(self._fd)
-                self._fd = self._open_segment(entry.segment)
-            else:
-                self._write(self._delivered_file(entry.at), entry.lines())
-                delivered = True
-        self._write(self._fd, chunk)
-        if self.sync:
-            os.fdatasync(self._fd)
-            if delivered:
-                os.fdatasync(self._delivered_fd)
-        self.commits += 1
+            batch = []
+            self._release(target)
+            self._maybe_compact()
+
+    def _commit(self, batch: list[_Entry], first: int) -> None:
+        db = self._db
+        assert db is not None
+        events: list[tuple[int, str, memoryview]] = []
+        exports: list[ExportRow] = []
+        installs: list[_Install] = []
+        size = 0
+        for position, entry in enumerate(batch, first):
+            if isinstance(entry, bytes):
+                record = entry
+            elif isinstance(entry, _Read):
+                record = entry.record
+                exports.extend(entry.rows())
+            else:  # a read taken back, a compaction: a placeholder keeps the ids dense
+                record = _NOTHING
+                if entry is not None:
+                    installs.append(entry)
+            size += len(record)
+            events.append((position, *split(record)))
+        if db.in_transaction:
+            db.rollback()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.executemany("INSERT INTO events VALUES (?, ?, ?)", events)
+            if exports:
+                db.executemany(
+                    "INSERT INTO delivered (read_id, delivered_at, task_type, instance_id, trajectory) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    [(*row[:4], row[4].decode()) for row in exports],
+                )
+            installed = [self._install(db, install) for install in installs]
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('last_event', ?)", (str(first + len(batch) - 1),))
+            if time.monotonic() >= self._next_retention_check:
+                db.execute("DELETE FROM delivered WHERE delivered_at < ?", (time.time() - self.retention_s,))
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.rollback()
+            raise
         if time.monotonic() >= self._next_retention_check:
             self._next_retention_check = time.monotonic() + 60.0
-            self._drop_expired_exports()
+        self.bytes_written += size
+        if any(installed):
+            self._since_snapshot, self._snapshot_bytes = installed_sizes(db), installs[-1].rows
+            self.compactions += 1
+        else:
+            self._since_snapshot += size
+        self.commits += 1
 
-    def _write(self, fd: int, parts: list[bytes]) -> None:
-        if not parts:
-            return
-        data = memoryview(b"".join(parts))
-        self.bytes_written += len(data)
-        if fd == self._fd:
-            self._since_snapshot += len(data)
-        while data:
-            data = data[os.write(fd, data) :]
+    def _install(self, db: sqlite3.Connection, install: _Install) -> bool:
+        """Replace the snapshot with the staged one and delete the events it covers."""
+        with self._cv:
+            self._install_pending = False
+        if install.generation != self._generation:
+            logger.warning("compaction dropped: a failed commit since took reads back from its state")
+            return False
+        if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'snapshot_next'").fetchone() is None:
+            return False
+        db.execute("DROP TABLE snapshot")
+        db.execute("ALTER TABLE snapshot_next RENAME TO snapshot")
+        db.execute("DELETE FROM events WHERE id <= ?", (install.position,))
+        db.execute("INSERT OR REPLACE INTO meta VALUES ('snapshot_through', ?)", (str(install.position),))
+        return True
 
     def _release(self, target: int) -> None:
         with self._cv:
+            if self._failure is not None:
+                logger.warning("the journal writes to %s again", self.directory)
+                self._failure = None
             self._durable = target
             self._cv.notify_all()  # threads in wait_durable_blocking
             ready: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
@@ -324,18 +447,45 @@ class Journal:
             with contextlib.suppress(RuntimeError):  # that loop has closed
                 loop.call_soon_threadsafe(_settle, futures, None)
 
-    def _fail(self, exc: OSError) -> None:
-        with self._cv:
-            self._failure = exc
-            self._cv.notify_all()
-            waiters, self._waiters = list(self._waiters), deque()
+    def _fail(self, exc: Exception, batch: list[_Entry]) -> None:
+        """Every waiter fails; every read not committed is taken back; the batch is kept for
+        the next try (the changes in it are in the buffer already)."""
+        error = _as_os_error(exc)
+        with self._buffer_lock:  # no append runs while reads are taken back
+            with self._cv:
+                if self._failure is None:
+                    logger.critical(
+                        "the journal cannot write to %s: %s; writes and reads fail until it can",
+                        self.directory,
+                        error.strerror,
+                        exc_info=exc,
+                    )
+                self._failure = self._last_error = error
+                self.failures += 1
+                self._generation += 1
+                reads: list[_Read] = []
+                for entries in (batch, self._pending):
+                    for index, entry in enumerate(entries):
+                        if isinstance(entry, _Read):
+                            reads.append(entry)
+                            entries[index] = None
+                self._cv.notify_all()
+                waiters, self._waiters = list(self._waiters), deque()
+            for read in reversed(reads):
+                read.undo()
         for _, loop, future in waiters:
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_settle, [future], StorageFailed(exc))
+                loop.call_soon_threadsafe(_settle, [future], StorageFailed(error))
 
     @property
     def failure(self) -> OSError | None:
+        """Why changes cannot be kept now (a failed commit, or the service stopping)."""
         return self._failure
+
+    @property
+    def failing(self) -> OSError | None:
+        """The failure of a commit, while the writer tries again (None once it succeeds)."""
+        return None if self._closing else self._failure
 
     def counters(self) -> dict[str, Any]:
         return {
@@ -345,36 +495,8 @@ class Journal:
             "commits": self.commits,
             "compactions": self.compactions,
             "bytes_since_snapshot": self._since_snapshot,
-            "failed": None if self._failure is None else str(self._failure),
+            "failed": None if self._failure is None else str(self._failure.strerror),
         }
-
-    # -- files -------------------------------------------------------------------------
-
-    def _open_segment(self, number: int) -> int:
-        fd = os.open(
-            self._journal_dir / f"{number:0{_SEGMENT_DIGITS}d}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND
-        )
-        _fsync_dir(self._journal_dir)
-        return fd
-
-    def _delivered_file(self, at: float) -> int:
-        hour = hour_stem(at)
-        if hour != self._delivered_hour:
-            if self._delivered_fd >= 0:
-                os.fsync(self._delivered_fd)
-                os.close(self._delivered_fd)
-            path = self.delivered_dir / f"{hour}.jsonl"
-            self._delivered_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-            _fsync_dir(self.delivered_dir)
-            self._delivered_hour = hour
-        return self._delivered_fd
-
-    def _drop_expired_exports(self) -> None:
-        cutoff = hour_stem(time.time() - self.retention_s)
-        for path in self.delivered_dir.glob("*.jsonl"):
-            if path.stem < cutoff and path.stem != self._delivered_hour:
-                path.unlink(missing_ok=True)
-                logger.info("export: dropped %s, past the retention", path.name)
 
     # -- compaction --------------------------------------------------------------------
 
@@ -384,7 +506,7 @@ class Journal:
         with self._cv:  # against close(): a compaction is either never started or joined
             if self._no_compaction or self._since_snapshot < max(self.compact_bytes, self._snapshot_bytes):
                 return
-            if self._compacting is not None and self._compacting.is_alive():
+            if self._install_pending or (self._compacting is not None and self._compacting.is_alive()):
                 return
             self._compacting = threading.Thread(
                 target=self._compact_safely, name="journal-compaction", daemon=True
@@ -398,33 +520,47 @@ class Journal:
             logger.exception("journal compaction failed; the journal keeps growing until the next try")
 
     def compact(self) -> None:
-        """Write the state as a snapshot and delete the segments and snapshot it replaces."""
+        """Write the state into the staging table and queue its installation; returns once
+        queued (``wait_durable_blocking`` then waits for it to be installed)."""
         assert self._snapshotter is not None
         started = time.monotonic()
-        segment, records = self._snapshotter()
-        final = self._journal_dir / f"{segment:0{_SEGMENT_DIGITS}d}.snapshot"
-        partial = final.with_suffix(".partial")
-        size = 0
-        with partial.open("wb") as file:
-            for record in records:
-                file.write(record)
-                size += len(record)
-            file.flush()
-            os.fsync(file.fileno())
-        partial.rename(final)
-        _fsync_dir(self._journal_dir)
         with self._cv:
-            self._since_snapshot = sum(
-                p.stat().st_size for p in self._journal_dir.glob("*.log") if int(p.stem) >= segment
-            )
-            self._snapshot_bytes = size
-        for path in self._journal_dir.iterdir():
-            if path.suffix in (".log", ".snapshot") and int(path.stem) < segment:
-                path.unlink()
-        self.compactions += 1
+            generation = self._generation
+        with self._cv:
+            self._install_pending = True
+        rows = size = 0
+        try:
+            position, records = self._snapshotter()
+        except BaseException:
+            with self._cv:
+                self._install_pending = False
+            raise
+        db = connect(self.database, sync=self.sync)
+        try:
+            db.execute("DROP TABLE IF EXISTS snapshot_next")
+            db.execute(f"CREATE TABLE snapshot_next {_LOG_COLUMNS}")
+            chunk: list[tuple[int, str, memoryview]] = []
+            for record in records:
+                rows += 1
+                size += len(record)
+                chunk.append((rows, *split(record)))
+                if len(chunk) >= _STAGING_ROWS:  # short transactions: the writer is never held long
+                    _insert_staged(db, chunk)
+                    chunk = []
+            _insert_staged(db, chunk)
+        except BaseException:
+            with self._cv:
+                self._install_pending = False
+            raise
+        finally:
+            db.close()
+        with self._cv:
+            self._pending.append(_Install(position, generation, size))
+            self._appended += 1
+            self._cv.notify()
         logger.info(
-            "journal compacted: snapshot %s of %.1f MB in %.1f s",
-            final.name,
+            "journal compaction: %d records, %.1f MB staged in %.1f s",
+            rows,
             size / 1e6,
             time.monotonic() - started,
         )
@@ -432,32 +568,60 @@ class Journal:
     # -- shutdown ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Write and sync everything appended, stop the threads, release the folder. Anything
-        appended after (by a straggling generator thread) is refused with ``StorageFailed``."""
+        """Write everything appended, stop the threads, release the folder. Anything appended
+        after (by a straggling generator thread) is refused with ``StorageFailed``."""
         with self._cv:
             self._no_compaction = True
             compaction = self._compacting
         if compaction is not None:
-            compaction.join()  # its rotation is then in the queue, which the writer drains
+            compaction.join()  # its installation is then in the queue, which the writer drains
         with self._cv:
             self._closing = True
             self._cv.notify_all()
         if self._writer is not None:
             self._writer.join()
-        for fd in (self._fd, self._delivered_fd):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.fsync(fd)
-                os.close(fd)
-        self._fd = self._delivered_fd = -1
+        if self._db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                if self._db.in_transaction:
+                    self._db.rollback()
+                self._db.close()
+            self._db = None
         self._lock_file.close()
-        if self._failure is None:
-            self._fail(OSError("the service is stopping"))
+        with self._cv:
+            stopped = self._failure is None
+            if stopped:
+                self._failure = OSError(errno.ESHUTDOWN, "the service is stopping")
+                self._cv.notify_all()
+                waiters, self._waiters = list(self._waiters), deque()
+        if stopped:
+            for _, loop, future in waiters:
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(_settle, [future], StorageFailed(self._failure))  # type: ignore[arg-type]
 
 
-def hour_stem(at: float) -> str:
-    """The name of the export file that takes deliveries at ``at``: its UTC hour."""
-    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H")
+def installed_sizes(db: sqlite3.Connection) -> int:
+    """The bytes of the events left after a compaction."""
+    row = db.execute("SELECT sum(length(header) + length(payload)) FROM events").fetchone()
+    return int(row[0] or 0)
+
+
+def _insert_staged(db: sqlite3.Connection, rows: list[tuple[int, str, memoryview]]) -> None:
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        db.executemany("INSERT INTO snapshot_next VALUES (?, ?, ?)", rows)
+        db.execute("COMMIT")
+    except BaseException:
+        db.rollback()
+        raise
+
+
+def _as_os_error(exc: Exception) -> OSError:
+    """What ``StorageFailed`` reports: the OS's error, or SQLite's, or the exception's."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc):
+        return OSError(errno.ENOSPC, f"No space left on device ({exc})")
+    return OSError(errno.EIO, f"{type(exc).__name__}: {exc}")
 
 
 def _settle(futures: list[asyncio.Future[None]], error: Exception | None) -> None:
@@ -468,14 +632,6 @@ def _settle(futures: list[asyncio.Future[None]], error: Exception | None) -> Non
             future.set_result(None)
         else:
             future.set_exception(error)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _lock(path: Path) -> BinaryIO:

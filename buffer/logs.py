@@ -11,7 +11,7 @@ import logging
 import random
 import sys
 from contextvars import ContextVar
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Literal, TextIO
 
 import orjson
@@ -61,7 +61,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
-            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
@@ -86,6 +86,10 @@ class JsonFormatter(logging.Formatter):
             return orjson.dumps({**entry, **{key: repr(value) for key, value in extras.items()}}).decode()
 
 
+#: Libraries whose INFO lines are one per engine request.
+CHATTY_LOGGERS = ("httpx", "httpcore", "openai", "aiohttp", "httpx_aiohttp")
+
+
 def configure_logging(level: str, log_format: LogFormat = "text", stream: TextIO | None = None) -> None:
     """Send every log record, uvicorn's included, to one handler on ``stream`` (default stderr).
 
@@ -104,8 +108,10 @@ def configure_logging(level: str, log_format: LogFormat = "text", stream: TextIO
         uvicorn_logger = logging.getLogger(name)
         uvicorn_logger.handlers.clear()
         uvicorn_logger.propagate = True
-    # httpx logs every request at INFO: thousands a second from a generator.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))
+    # The HTTP clients log a line per request at INFO (thousands a second from a generator):
+    # their warnings and errors only, unless the service itself logs at a stricter level.
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
 
 
 def _incoming_id(headers: list[tuple[bytes, bytes]]) -> bytes | None:

@@ -3,7 +3,8 @@
 Nothing here runs on the write path: ``BufferCollector.collect`` reads the buffer's counters
 (``RolloutBuffer.stats()``) and every job's published progress when ``/metrics`` is scraped.
 
-The LLM figures (requests, retries, failed trajectories, latency histogram, throughput) are
+The LLM figures (requests, retries, failed trajectories, latency histogram, throughput, answers
+by finish_reason, answer lengths) are
 those of ``buffer.toolkit.run_rollouts`` as it publishes them on ``job.progress``; they are
 summed over the jobs of a task the job manager still keeps, so a forgotten job's share
 leaves its counters (Prometheus reads that as a counter reset).
@@ -15,7 +16,13 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from buffer.jobs import JobManager, JobStatus
@@ -60,6 +67,15 @@ class BufferCollector(Collector):
         discarded = _counter("groups_discarded", "Groups dropped, by reason", ["task", "reason"])
         set_aside = _counter("groups_set_aside", "Groups set aside because a hook failed on them")
         rewards = _counter("rewards", "Rewards written")
+        # _sum and _count: rate(sum)/rate(count) is the mean reward over any window.
+        reward = SummaryMetricFamily(
+            PREFIX + "reward", "Rewards written: their sum and count", labels=["task"]
+        )
+        served_age = SummaryMetricFamily(
+            PREFIX + "served_group_age_seconds",
+            "How long each group a read returned had waited since it finished (the trainer's lag)",
+            labels=["task"],
+        )
         reward_mean = _gauge("reward_mean", "Mean of every reward written")
         reward_std = _gauge("reward_std", "Sample standard deviation of every reward written")
         for task, counters in tasks.items():
@@ -73,6 +89,8 @@ class BufferCollector(Collector):
             for reason, count in sorted(counters["discarded_groups"].items()):
                 discarded.add_metric([task, reason], count)
             rewards.add_metric([task], counters["reward_count"])
+            reward.add_metric([task], counters["reward_count"], counters["reward_sum"])
+            served_age.add_metric([task], counters["served_age_count"], counters["served_age_s_sum"])
             reward_mean.add_metric([task], counters["reward_mean"])
             reward_std.add_metric([task], counters["reward_std"])
         duplicates = CounterMetricFamily(PREFIX + "duplicates", "Writes of a uid already seen, ignored")
@@ -82,7 +100,7 @@ class BufferCollector(Collector):
         )
         refused.add_metric([], stats["refused_full"])
         yield from (written, delivered, items, groups, groups_delivered, discarded, set_aside)
-        yield from (rewards, reward_mean, reward_std, duplicates, refused)
+        yield from (rewards, reward, served_age, reward_mean, reward_std, duplicates, refused)
         journal = stats["journal"]
         if journal is not None:
             for name, documentation in (
@@ -101,6 +119,8 @@ class BufferCollector(Collector):
         throughput: Counter[str] = Counter()
         latency: dict[str, Counter[str]] = {}
         latency_sum: Counter[str] = Counter()
+        finish_reasons: Counter[tuple[str, str]] = Counter()
+        response_tokens: dict[str, list[int]] = {}
         for job in self._jobs.list():
             task, state = job.task_type, job.status.value
             by_state[state] += 1
@@ -112,6 +132,12 @@ class BufferCollector(Collector):
                 counts[task] += progress.get(key, 0)
             if job.status is JobStatus.RUNNING:
                 throughput[task] += progress.get("trajectories_per_s", 0.0)
+            for reason, count in progress.get("finish_reasons", {}).items():
+                finish_reasons[task, reason] += count
+            if "response_tokens_count" in progress:
+                tokens = response_tokens.setdefault(task, [0, 0])
+                tokens[0] += progress["response_tokens_count"]
+                tokens[1] += progress["response_tokens_sum"]
             buckets = progress.get("latency_s_buckets")
             if buckets:
                 latency.setdefault(task, Counter()).update(buckets)
@@ -146,6 +172,20 @@ class BufferCollector(Collector):
             ordered = sorted(counts.items(), key=lambda bucket: float(bucket[0]))
             histogram.add_metric([task], ordered, latency_sum[task])
         yield histogram
+        answers = _counter(
+            "llm_finish_reasons", "LLM answers by finish_reason (length: truncated)", ["task", "reason"]
+        )
+        for (task, reason), count in sorted(finish_reasons.items()):
+            answers.add_metric([task, reason], count)
+        yield answers
+        lengths = SummaryMetricFamily(
+            PREFIX + "llm_response_tokens",
+            "Tokens of each LLM answer (where the engine reports them)",
+            labels=["task"],
+        )
+        for task, (count, total) in sorted(response_tokens.items()):
+            lengths.add_metric([task], count, total)
+        yield lengths
 
 
 def build_registry(buffer: RolloutBuffer, jobs: JobManager) -> CollectorRegistry:

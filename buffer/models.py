@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, NotRequired, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -29,10 +29,12 @@ from pydantic import (
     field_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
-from typing_extensions import NotRequired, TypedDict
+from typing_extensions import TypedDict
 
+from buffer import storable
 from buffer.encoding import INT64_MAX, INT64_MIN
 from buffer.errors import InvalidInput
+from buffer.task import TaskSettings
 
 _T = TypeVar("_T")
 _N = TypeVar("_N", int, int | None)
@@ -41,8 +43,10 @@ _N = TypeVar("_N", int, int | None)
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 FiniteNumber = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+#: A number in a request's settings: finite (``Infinity`` and ``NaN`` would reach the journal as null).
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 InstanceId = Annotated[StrictStr, Field(min_length=1)] | Annotated[Int64, Strict()]
-Ratio = Annotated[float, Field(ge=0, le=1)]
+Ratio = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 #: A token id as engines use them: a non-negative 32-bit integer (the trainer's tensors are int32 or int64).
 #: The range is checked after the single pass, a list at a time (`_first_bad_id`): pydantic's per-item
 #: bounds cost more than parsing the ids (60 us against 23 us for 1,200 ids).
@@ -256,32 +260,16 @@ def parse_json(adapter: TypeAdapter[_T], body: bytes) -> _T:
         raise invalid_input(exc.errors(include_url=False, include_input=False)) from None
 
 
-class StartRolloutRequest(BaseModel):
-    """The trainer's ``/start_rollout`` payload. slime sends numbers as strings: accepted."""
+class TaskGrouping(BaseModel):
+    """How a task groups and judges what is written to it: the fields ``/start_rollout`` and
+    ``PUT /tasks/{name}`` share, and the ``TaskSettings`` they make."""
 
-    model_config = ConfigDict(extra="allow")
-
-    task_type: Annotated[StrictStr, Field(min_length=1)]
     num_repeat_per_sample: Int64 | None = Field(None, ge=1, description="the group size")
-    num_process: Int64 | None = Field(None, ge=1, description="trajectories in flight")
-    num_epoch: Int64 | None = Field(None, ge=1)
-    max_tokens: Int64 | None = Field(None, ge=1)
-    group_timeout_seconds: float | None = Field(None, gt=0)
+    group_timeout_seconds: FiniteFloat | None = Field(None, gt=0)
     min_valid_group_size_ratio: Ratio = 1.0
     min_valid_item_size_ratio: Ratio = 0.7
     min_timeout_group_size_ratio: Ratio = 0.7
-    skip_instance_ids: list[InstanceId] | None = None
-    remote_engine_url: str | None = None
-    remote_buffer_url: str | None = None
-    input_file: str | None = None
-    sampling_params: dict[str, Any] | None = None
     reward_key: str | None = None
-    restart: bool = Field(False, description="cancel the task's running job and start a new one")
-    rollout_name: Annotated[StrictStr, Field(min_length=1)] | None = Field(
-        None,
-        description="the buffer task and job this run writes to (default: task_type); one generator can "
-        "run under several names at once, e.g. for evaluation beside training",
-    )
     evaluation: bool = Field(
         False, description="keep every finished group as written: no filter, normalisation or padding"
     )
@@ -291,8 +279,43 @@ class StartRolloutRequest(BaseModel):
         description="serve no group whose lowest policy version is more than this behind the trainer's; "
         "the generator keeps at most this + 1 reads of groups ahead of the trainer (absent: no bound)",
     )
-    weight: float | None = Field(
-        None, gt=0, allow_inf_nan=False, description="the task's share in mixed reads (default 1)"
+    weight: FiniteFloat | None = Field(None, gt=0, description="the task's share in mixed reads (default 1)")
+
+    def task_settings(self, defaults: TaskSettings) -> TaskSettings:
+        """The task's settings: these fields where given, else ``defaults`` (the service's flags)."""
+        return TaskSettings(
+            group_size=self.num_repeat_per_sample or defaults.group_size,
+            group_timeout_s=self.group_timeout_seconds or defaults.group_timeout_s,
+            min_valid_group_size_ratio=self.min_valid_group_size_ratio,
+            min_valid_item_size_ratio=self.min_valid_item_size_ratio,
+            min_timeout_group_size_ratio=self.min_timeout_group_size_ratio,
+            reward_key=self.reward_key,
+            max_staleness=self.max_staleness,
+            weight=self.weight,
+        )
+
+
+class StartRolloutRequest(TaskGrouping):
+    """The trainer's ``/start_rollout`` payload. slime sends numbers as strings: accepted."""
+
+    model_config = ConfigDict(extra="allow")
+
+    task_type: Annotated[StrictStr, Field(min_length=1)]
+    num_process: Int64 | None = Field(None, ge=1, description="trajectories in flight")
+    num_epoch: Int64 | None = Field(None, ge=1)
+    max_tokens: Int64 | None = Field(None, ge=1)
+    skip_instance_ids: list[InstanceId] | None = None
+    remote_engine_url: str | Annotated[list[StrictStr], Field(min_length=1)] | None = Field(
+        None, description="the policy server's URL, or a list of them: a pool the generator spreads load over"
+    )
+    remote_buffer_url: str | None = None
+    input_file: str | None = None
+    sampling_params: dict[str, Any] | None = None
+    restart: bool = Field(False, description="cancel the task's running job and start a new one")
+    rollout_name: Annotated[StrictStr, Field(min_length=1)] | None = Field(
+        None,
+        description="the buffer task and job this run writes to (default: task_type); one generator can "
+        "run under several names at once, e.g. for evaluation beside training",
     )
 
 
@@ -305,7 +328,7 @@ class GetRolloutDataRequest(BaseModel):
     task_type: str | None = Field(
         None, description="only this task's groups; default all tasks, oldest first"
     )
-    wait_s: float = Field(0.0, ge=0, le=300, description="wait up to this long for a group to be ready")
+    wait_s: FiniteFloat = Field(0.0, ge=0, le=300, description="wait up to this long for a group to be ready")
     mix: (
         dict[Annotated[StrictStr, Field(min_length=1)], Annotated[float, Field(gt=0, allow_inf_nan=False)]]
         | None
@@ -327,7 +350,7 @@ class ReadRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     batch_size: int = Field(-1, ge=-1)
-    timeout: float = Field(0.0, ge=0, le=300)
+    timeout: FiniteFloat = Field(0.0, ge=0, le=300)
     wait: bool = False
     task_type: str | None = None
 
@@ -341,6 +364,16 @@ def _batch_size(value: _N) -> _N:
     if value == 0:
         raise ValueError("must be -1 (everything ready) or at least 1")
     return value
+
+
+def check_storable(request: BaseModel) -> None:
+    """Refuse a request holding a value the journal cannot keep as it is (``Infinity`` in
+    ``sampling_params``, an integer beyond 64 bits, a lone surrogate, deep nesting), naming
+    the field: extra fields are taken as they come, and start a generator that is journaled."""
+    found = storable.problem_at(request.model_dump())
+    if found is not None:
+        path, reason = found
+        raise InvalidInput.one(storable.field_name(path), reason)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}

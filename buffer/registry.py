@@ -5,7 +5,8 @@ runs and removed again if it fails. A file is reported, never fatal, when it fai
 import (with the traceback), breaks the contract (no ``TASK_TYPE``, no ``run_rollout``, a
 hook with the wrong parameters), or repeats another file's ``TASK_TYPE`` (both are reported
 and neither is used: running the wrong one silently would be worse). ``refresh`` re-imports
-only files that changed, so a new or edited generator is picked up without a restart.
+only files that changed, so a new or edited generator is picked up without a restart; a file
+that failed to import is imported again on each scan (a missing package may have been installed).
 
 No traceback reaches a client: the log has it, the API says only ``where`` the error happened
 (the innermost frame of the generator's code), as it does for a failed job or hook.
@@ -14,6 +15,7 @@ No traceback reaches a client: the log has it, the API says only ``where`` the e
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import importlib.util
 import inspect
@@ -31,6 +33,7 @@ from typing import Any, Literal
 
 from buffer.errors import GeneratorUnavailable, UnknownTask
 from buffer.hooks import Hooks, bind_hooks
+from buffer.workers.hook_guard import guard_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +88,11 @@ class LoadError:
 
 
 class GeneratorRegistry:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, hook_timeout_s: float | None = None) -> None:
+        """``hook_timeout_s``: each hook a generator overrides runs off the caller's thread and
+        fails after this long (see ``buffer.workers.hook_guard``); None: called directly."""
         self.directory = directory
+        self.hook_timeout_s = hook_timeout_s
         self._lock = threading.Lock()
         self._loaded: dict[Path, tuple[tuple[int, int], Generator | LoadError]] = {}
         self._generators: dict[str, Generator] = {}
@@ -112,12 +118,20 @@ class GeneratorRegistry:
                     continue
                 fingerprint = (stat.st_mtime_ns, stat.st_size)
                 cached = self._loaded.get(path)
-                if cached is not None and cached[0] == fingerprint:
+                # A file that failed to import is tried again on every scan, changed or not: what
+                # it lacked is often a package installed since (``pip install requests``).
+                retry = cached is not None and isinstance(cached[1], LoadError) and cached[1].kind == "import"
+                if cached is not None and cached[0] == fingerprint and not retry:
                     loaded[path] = cached
                 else:
-                    loaded[path] = (fingerprint, _load(path))
+                    loaded[path] = (fingerprint, self._guarded(load_generator(path)))
             self._loaded = loaded
             self._index([result for _, result in loaded.values()])
+
+    def _guarded(self, result: Generator | LoadError) -> Generator | LoadError:
+        if isinstance(result, LoadError) or self.hook_timeout_s is None:
+            return result
+        return dataclasses.replace(result, hooks=guard_hooks(result.hooks, self.hook_timeout_s))
 
     def _index(self, results: list[Generator | LoadError]) -> None:
         by_task: dict[str, list[Generator]] = {}
@@ -165,7 +179,8 @@ class GeneratorRegistry:
         return generator.hooks if generator else Hooks()
 
 
-def _load(path: Path) -> Generator | LoadError:
+def load_generator(path: Path) -> Generator | LoadError:
+    """Import the generator file ``path`` under its own module name; what failed, if it did."""
     declared = _declared_task_type(path)
     module_name = f"rollout_generator_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     spec = importlib.util.spec_from_file_location(module_name, path)

@@ -13,23 +13,25 @@ code; ``snapshot`` writes the state out as records (``open``, ``ready``, ``aside
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import threading
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from buffer import encoding, export
-from buffer.errors import BufferFull, InvalidInput, StorageFailed
+from buffer.errors import BatchTooLarge, BufferFull, InvalidInput, StorageFailed, TooManyTasks
 from buffer.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE, Hooks
-from buffer.journal import Event, Journal, encode
+from buffer.journal import Event, Journal, encode, refuse_non_finite
 from buffer.policy import reads as policy_reads
 from buffer.policy.state import Policy
 from buffer.stats import RewardStats
-from buffer.task import InstanceId, ReadyGroup, Record, SetAsideGroup, TaskBuffer, TaskSettings
+from buffer.task import InstanceId, ReadyGroup, Record, SetAsideGroup, Tally, TaskBuffer, TaskSettings
 
 DEFAULT_TASK = "default"
 
@@ -62,11 +64,21 @@ class RolloutBuffer:
         dedup_window: int = 1_000_000,
         recent: int = 1000,
         max_buffered: int = 0,
+        max_tasks: int = 0,
+        one_group_per_instance: bool = True,
+        strict_tasks: bool = False,
     ) -> None:
         """``hooks_for`` gives the hooks of a task first met through a write, or restored,
         by the name of its generator; ``dedup_window`` bounds how many uids of trajectories no
-        longer buffered are remembered; past ``max_buffered`` trajectories (0: no limit) a
-        write that would open a new group raises ``BufferFull``."""
+        longer buffered are remembered; a write that would take the trajectories held past
+        ``max_buffered`` (0: no limit) by opening groups raises ``BufferFull``; a write or a
+        start that would create a task past ``max_tasks`` (0: no limit) raises ``TooManyTasks``;
+        ``one_group_per_instance``: a read returns at most one group of each ``instance_id``;
+        with ``strict_tasks`` a write to a task never configured (``configure_task``, or
+        restored) is refused rather than grouped by the default settings."""
+        self.strict_tasks = strict_tasks
+        #: Called (under the lock: keep it short) with the task and JSON of each new trajectory.
+        self.write_observers: list[Callable[[str, bytes], None]] = []
         self.default_settings = default_settings or TaskSettings()
         self._hooks_for = hooks_for or (lambda task_type: Hooks())
         self._clock = clock
@@ -76,6 +88,11 @@ class RolloutBuffer:
         self._current_task = DEFAULT_TASK
         self._journal: Journal | None = None
         self.max_buffered = max_buffered
+        self.max_tasks = max_tasks
+        self.one_group_per_instance = one_group_per_instance
+        self._held = Tally()  # trajectories held over all tasks, kept by the tasks themselves
+        #: Task names, the most recently written last: which tasks the dashboard follows.
+        self._activity: OrderedDict[str, None] = OrderedDict()
         self._seq = 0  # the order of ready groups across tasks
         self.reads = 0  # reads that returned groups: the export's read_id
         self.refused_full = 0  # writes refused with BufferFull
@@ -107,11 +124,15 @@ class RolloutBuffer:
         ``EVALUATION_SOURCE`` for ``EVALUATION_HOOKS``), for a restart to find them again.
         """
         with self._lock:
+            if task_type not in self._tasks:
+                self._check_task_room("task_type", task_type)
             self._configure(task_type, settings, hooks, hooks_source, current=True)
 
     def _configure(
         self, task_type: str, settings: TaskSettings, hooks: Hooks, hooks_source: str | None, *, current: bool
     ) -> TaskBuffer:
+        if self._journal is not None:  # before anything changes: the record must be storable
+            refuse_non_finite(asdict(settings), "settings")
         task = self._tasks.get(task_type)
         if task is None:
             task = self._tasks[task_type] = TaskBuffer(
@@ -122,6 +143,7 @@ class RolloutBuffer:
                 sequence=self._next_seq,
                 on_ready=self._notify,
                 log=self._journal.append if self._journal else None,
+                tally=self._held,
             )
         else:
             task.reconfigure(settings, hooks, hooks_source)
@@ -163,6 +185,17 @@ class RolloutBuffer:
             )
         return task
 
+    def _check_task_room(self, field: str, task_type: str) -> None:
+        """Refuse a new task past ``max_tasks``: each task is kept for good (its counters, its
+        dashboard history, its metrics), so task names a client makes up must not grow them."""
+        if self.max_tasks and len(self._tasks) >= self.max_tasks:
+            raise TooManyTasks(field, task_type, self.max_tasks)
+
+    def active_tasks(self, limit: int) -> list[str]:
+        """The ``limit`` tasks written to most recently, the most recent first."""
+        with self._lock:
+            return list(itertools.islice(reversed(self._activity), limit))
+
     # -- writes ------------------------------------------------------------------------
 
     def write(self, item: Mapping[str, Any]) -> WriteResult:
@@ -199,6 +232,8 @@ class RolloutBuffer:
                     header.update(u=record.uid, r=record.reward, at=wall)
                     journal.append(encode(header, [record.raw]))
                 task.add(instance_id, record, now)
+                for observe in self.write_observers:
+                    observe(task.task_type, record.raw)
                 self._written_seq += 1
                 self.recent.append(
                     (self._written_seq, task.task_type, instance_id, record.uid, record.reward, wall)
@@ -207,10 +242,18 @@ class RolloutBuffer:
                 results.append(WriteResult(record.uid, task.task_type, duplicate=False))
             for task in touched:
                 task.expire(now)
+                self._activity[task.task_type] = None
+                self._activity.move_to_end(task.task_type)
             return results
 
     def _prepare(self, prefix: str, item: Mapping[str, Any]) -> tuple[TaskBuffer, InstanceId, Record]:
-        task = self._task(item.get("task_type") or self._current_task)
+        task_type = item.get("task_type") or self._current_task
+        if task_type not in self._tasks:  # checked here, not in _task: a restore creates what it finds
+            if self.strict_tasks:
+                reason = f"no task {task_type!r} is configured: PUT /tasks/{{name}} or /start_rollout first"
+                raise InvalidInput.one(prefix + "task_type", reason)
+            self._check_task_room(prefix + "task_type", task_type)
+        task = self._task(task_type)
         reward = item["reward"]
         if isinstance(reward, dict):
             scalar = _scalar_reward(prefix + "reward", reward, task.settings.reward_key)
@@ -234,21 +277,40 @@ class RolloutBuffer:
         return task, item["instance_id"], Record(uid, float(reward), raw)
 
     def _check_room(self, prepared: list[tuple[TaskBuffer, InstanceId, Record]]) -> None:
-        buffered = self.buffered_items()
-        if buffered < self.max_buffered:
+        """Refuse, whole, a write whose trajectories beyond what the open groups lack would take
+        the buffer past ``max_buffered``. What fills a group already open is always taken, so
+        groups can finish while the trainer catches up; a batch is taken all or none, as its
+        validation is. O(1) when it fits anyway, else O(batch)."""
+        held = self._held.items
+        if held + len(prepared) <= self.max_buffered:
             return
-        opens_group = any(
-            instance_id not in task.open and record.uid not in self._uids
-            for task, instance_id, record in prepared
-        )
-        if opens_group:
+        lacking: dict[tuple[str, InstanceId], int] = {}
+        uids: set[str] = set()
+        adding = 0
+        for task, instance_id, record in prepared:
+            if record.uid in self._uids or record.uid in uids:
+                continue  # a duplicate adds nothing
+            uids.add(record.uid)
+            key = (task.task_type, instance_id)
+            left = lacking.get(key)
+            if left is None:
+                group = task.open.get(instance_id)
+                left = group.size - len(group.records) if group is not None else 0
+            if left > 0:
+                lacking[key] = left - 1
+            else:
+                lacking[key] = 0
+                adding += 1
+        if adding > self.max_buffered:
             self.refused_full += 1
-            raise BufferFull(buffered, self.max_buffered)
+            raise BatchTooLarge(adding, self.max_buffered)
+        if adding and held + adding > self.max_buffered:
+            self.refused_full += 1
+            raise BufferFull(held, self.max_buffered, adding)
 
     def buffered_items(self) -> int:
         """Trajectories held: in open groups and in ready ones."""
-        with self._lock:
-            return sum(task.pending_items + task.ready_items for task in self._tasks.values())
+        return self._held.items
 
     def _remember(self, uid: str) -> None:
         self._uids.add(uid)
@@ -266,36 +328,38 @@ class RolloutBuffer:
         mix: Mapping[str, float] | None = None,
     ) -> ReadResult:
         """Take ready groups, oldest first, whole: as many as fit in ``max_items`` (all when
-        ``None``) but at least one. A read that returns groups starts a new statistics window;
+        ``None``) but at least one. With ``one_group_per_instance``, a later group of an
+        instance already taken stays for the next read (slime's trainer merges one read's
+        groups by ``instance_id``). A read that returns groups starts a new statistics window;
         one that returns none reports the statistics so far and keeps them.
 
         ``mix`` (task: weight), or the tasks' own weights when no ``task_type`` is named and a
-        task has one, shares the read between tasks (``buffer.policy.reads.take_mixed``).
+        task has one, shares the read between tasks (``buffer.policy.reads.choose_mixed``).
         Groups past their task's ``max_staleness`` are set aside first, never served."""
         with self._lock:
+            journal = self._journal
+            if journal is not None and journal.failing is not None:
+                raise StorageFailed(journal.failing)  # nothing is taken that could not be kept
             tasks = self._covered(task_type) if mix is None else [self._task(name) for name in mix]
             self._expire(tasks)
             stale = self._set_stale_aside(tasks)
             weights = dict(mix) if mix is not None else self._task_weights(task_type, tasks)
             mixed: dict[str, Any] | None = None
-            groups: list[ReadyGroup] = []
             if weights is not None and max_items is not None:
                 by_name = {task.task_type: task for task in tasks}
-                groups, mixed = policy_reads.take_mixed(by_name, weights, max_items, self.policy)
+                chosen, mixed = policy_reads.choose_mixed(
+                    by_name, weights, max_items, self.policy, self.one_group_per_instance
+                )
             else:
-                taken = 0
-                while True:
-                    heads = [task for task in tasks if task.ready]
-                    if not heads:
-                        break
-                    task = min(heads, key=lambda t: t.ready[0].seq)
-                    size = len(task.ready[0].items)
-                    if groups and max_items is not None and taken + size > max_items:
-                        break
-                    groups.append(task.pop_ready())
-                    taken += size
+                chosen = self._choose(tasks, max_items)
+            by_task: dict[str, list[int]] = {}
+            for group in chosen:
+                by_task.setdefault(group.task_type, []).append(group.seq)
+            for name, seqs in by_task.items():
+                self._tasks[name].take_ready(seqs)
+            groups = chosen
             taken = sum(len(group.items) for group in groups)
-            self._account_served(tasks, groups, max_items)
+            lags = self._account_served(tasks, groups, max_items)
             meta = self._meta_info(tasks)
             if not groups:
                 meta["finished_groups"] = []
@@ -305,6 +369,7 @@ class RolloutBuffer:
                 return ReadResult([], meta)
             finished: list[InstanceId] = []
             discarded: Counter[str] = Counter()
+            windows = [_Window.of(task) for task in tasks] if journal is not None else []
             for task in tasks:
                 task_finished, task_discarded = task.reset_window()
                 finished.extend(task_finished)
@@ -318,17 +383,28 @@ class RolloutBuffer:
                 meta["mix"] = mixed
             if self.policy.version is not None:
                 meta["policy_version"] = self.policy.version
-                lags = [lag for group in groups if (lag := self._lag(group)) is not None]
                 if lags:
                     meta["version_lag"] = {"min": min(lags), "max": max(lags)}
+            served_at = self._wall_clock()
+            for group in groups:
+                self._tasks[group.task_type].record_served(group, served_at)
             self.total_read += taken
             self.reads += 1
-            if self._journal is not None:
+            if journal is not None:
                 wall = self._wall_clock()
-                header = {"e": "read", "t": task_type, "seqs": [group.seq for group in groups]}
-                self._journal.append(encode({**header, "at": wall, "id": self.reads}))
+                header: dict[str, Any] = {
+                    "e": "read",
+                    "t": task_type,
+                    "seqs": [group.seq for group in groups],
+                }
+                if task_type is None:  # which task each group came from: a read may pass groups over
+                    header["ts"] = [group.task_type for group in groups]
                 read_id = self.reads
-                self._journal.deliver(wall, lambda: export.lines(groups, wall, read_id))
+                journal.read(
+                    encode({**header, "at": wall, "id": read_id}),
+                    lambda: export.rows(groups, wall, read_id),
+                    lambda: self._unread(groups, taken, windows),
+                )
             return ReadResult(groups, meta)
 
     # -- the policy's part in reads (buffer.policy) ----------------------------------------
@@ -377,32 +453,77 @@ class RolloutBuffer:
 
     def _account_served(
         self, tasks: list[TaskBuffer], groups: list[ReadyGroup], max_items: int | None
-    ) -> None:
-        """Count what a read served (shares, lags) and tell the admissions about the demand."""
+    ) -> list[int]:
+        """Count what a read served (shares, lags) and tell the admissions about the demand;
+        returns the lags that are known."""
+        lags = []
         for group in groups:
             lag = self._lag(group)
             self._spans.pop(group.seq, None)
             self.policy.served(group.task_type, len(group.items), lag)
+            if lag is not None:
+                lags.append(lag)
         for task in tasks:
             admission = self.policy.admission(task.task_type)
             if admission is not None and max_items is not None:
                 admission.saw_read(-(-max_items // max(1, task.settings.group_size)))
         self.policy.notify()
+        return lags
+
+    def _unread(self, groups: list[ReadyGroup], taken: int, windows: list[_Window]) -> None:
+        """Give back the groups of a read the journal could not commit (under the lock, newest
+        read first): they go back to the head of their tasks, never counted as delivered, and
+        the statistics windows it closed are open again: the state a restart would replay."""
+        popped = Counter(group.task_type for group in groups)
+        for window in windows:
+            window.reopen(popped[window.task.task_type])
+        for name in popped:
+            task = self._tasks[name]
+            back = [group for group in groups if group.task_type == name]
+            # in their places again: a read may have passed groups over, so not all at the head
+            task.ready = deque(heapq.merge(task.ready, back, key=lambda group: group.seq))
+            for group in back:
+                task.ready_items += len(group.items)
+                task.delivered_items -= len(group.items)
+                task.delivered_groups -= 1
+        self.total_read -= taken
+        self.reads -= 1
 
     def peek(self, task_type: str | None = None, max_items: int | None = None) -> list[ReadyGroup]:
         """The groups a read would return, left in place."""
         with self._lock:
             tasks = self._covered(task_type)
             self._expire(tasks)
-            ready = sorted((group for task in tasks for group in task.ready), key=lambda g: g.seq)
-            chosen: list[ReadyGroup] = []
-            taken = 0
-            for group in ready:
-                if chosen and max_items is not None and taken + len(group.items) > max_items:
+            return self._choose(tasks, max_items)
+
+    def _choose(self, tasks: list[TaskBuffer], max_items: int | None) -> list[ReadyGroup]:
+        """The groups a read takes, oldest first across ``tasks``, merged through a heap of
+        each task's next group: O(groups looked at x log tasks), nothing moved. The groups
+        looked at are those returned, and the later groups of their instances passed over."""
+        iterators = [iter(task.ready) for task in tasks if task.ready]
+        heap: list[tuple[int, int, ReadyGroup]] = []
+        for index, iterator in enumerate(iterators):
+            head = next(iterator)
+            heap.append((head.seq, index, head))
+        heapq.heapify(heap)
+        chosen: list[ReadyGroup] = []
+        instances: set[InstanceId] = set()
+        taken = 0
+        while heap and (max_items is None or taken < max_items):
+            _, index, group = heap[0]
+            if not (self.one_group_per_instance and group.instance_id in instances):
+                size = len(group.items)
+                if chosen and max_items is not None and taken + size > max_items:
                     break
                 chosen.append(group)
-                taken += len(group.items)
-            return chosen
+                instances.add(group.instance_id)
+                taken += size
+            following = next(iterators[index], None)
+            if following is None:
+                heapq.heappop(heap)
+            else:
+                heapq.heapreplace(heap, (following.seq, index, following))
+        return chosen
 
     def ready_items(self, task_type: str | None = None) -> int:
         with self._lock:
@@ -467,6 +588,20 @@ class RolloutBuffer:
                 "refused_full": self.refused_full,
                 "journal": self._journal.counters() if self._journal else None,
                 "tasks": tasks,
+            }
+
+    def summary(self, task_types: Iterable[str]) -> dict[str, Any]:
+        """Totals over every task, and the counters of ``task_types`` only: what the dashboard's
+        history keeps each second, at O(tasks) attribute reads rather than a dict per task."""
+        with self._lock:
+            tasks = self._tasks.values()
+            return {
+                "total_written": sum(task.written for task in tasks),
+                "total_read": self.total_read,
+                "pending_groups": sum(len(task.open) for task in tasks),
+                "ready_groups": sum(len(task.ready) for task in tasks),
+                "delivered_groups": sum(task.delivered_groups for task in tasks),
+                "tasks": {name: self._tasks[name].counters() for name in task_types if name in self._tasks},
             }
 
     # -- generator jobs ----------------------------------------------------------------
@@ -567,11 +702,22 @@ class RolloutBuffer:
             self.duplicates += 1
         elif kind == "stale":
             policy_reads.drop(self._tasks[header["t"]], header["seqs"])
+        elif kind == "nop":  # a read the journal took back, a compaction
+            pass
         elif kind == "read":
             tasks = self._covered(header["t"])
-            for seq in header["seqs"]:
-                task = next(task for task in tasks if task.ready and task.ready[0].seq == seq)
-                self.total_read += len(task.pop_ready().items)
+            if header["t"] is None and "ts" not in header:
+                # Recorded before a read could pass groups over: each group it took was a head.
+                for seq in header["seqs"]:
+                    task = next(task for task in tasks if task.ready and task.ready[0].seq == seq)
+                    self.total_read += len(task.take_ready([seq])[0].items)
+            else:
+                names = header.get("ts") or [header["t"]] * len(header["seqs"])
+                by_task: dict[str, list[int]] = {}
+                for name, seq in zip(names, header["seqs"], strict=True):
+                    by_task.setdefault(name, []).append(seq)
+                for name, seqs in by_task.items():
+                    self.total_read += sum(len(group.items) for group in self._tasks[name].take_ready(seqs))
             for task in tasks:
                 task.reset_window()
             self.reads = header["id"]
@@ -613,7 +759,7 @@ class RolloutBuffer:
         Finishes the groups a restore left full but open."""
         with self._lock:
             self._journal = journal
-            journal.start(self.snapshot)
+            journal.start(self.snapshot, lock=self._lock)
             for task in self._tasks.values():
                 task.log = journal.append
                 task.finish_full()
@@ -634,11 +780,11 @@ class RolloutBuffer:
         return {**spec, "finished": list(map(list, finished.items())) if finished is not None else None}
 
     def snapshot(self) -> tuple[int, Iterator[bytes]]:
-        """Start a new journal segment and the records of the state as of its start: the
-        references are copied under the lock, the encoding happens as they are read."""
+        """The journal's position and the records of the state as of it: the references are
+        copied under the lock, the encoding happens as they are read."""
         assert self._journal is not None
         with self._lock:
-            segment = self._journal.rotate()
+            position = self._journal.position()
             offset = self._wall_clock() - self._clock()
             tasks = [task.snapshot(lambda monotonic: monotonic + offset) for task in self._tasks.values()]
             state = {
@@ -659,7 +805,36 @@ class RolloutBuffer:
                 yield from task()
             yield encode(state)
 
-        return segment, records()
+        return position, records()
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """A task's statistics window as a read closes it, to reopen if the read is taken back."""
+
+    task: TaskBuffer
+    stats: RewardStats
+    instances: set[InstanceId]
+    records: list[tuple[InstanceId, Record]]
+    finished: list[InstanceId]
+    discarded: Counter[str]
+
+    @classmethod
+    def of(cls, task: TaskBuffer) -> _Window:
+        return cls(
+            task, task.window, task.window_instances, task.window_records,
+            task.finished_instance_ids, task.window_discarded,
+        )  # fmt: skip
+
+    def reopen(self, popped: int) -> None:
+        """Merge it back in front of what the task gathered since; ``popped``: groups the
+        read took from this task, whose ids its pops added to ``finished``."""
+        task = self.task
+        task.window = self.stats.merge(task.window)
+        task.window_instances = self.instances | task.window_instances
+        task.window_records = self.records + task.window_records
+        task.finished_instance_ids = self.finished[: len(self.finished) - popped] + task.finished_instance_ids
+        task.window_discarded = self.discarded + task.window_discarded
 
 
 _DUPLICATE = encode({"e": "dup"})

@@ -2,8 +2,11 @@
 
 In: ``ApiKeyMiddleware`` asks every request but ``GET /`` and ``GET /health`` for the API key
 (``Authorization: Bearer <key>``, or HTTP Basic with the key as password so a browser can open
-the dashboard); ``BodySizeLimitMiddleware`` refuses a body larger than ``max_request_bytes`` with
-a 413 before the route sees it. Both are pure ASGI: they run on every write.
+the dashboard); ``BrowserGuardMiddleware`` refuses a POST from another web origin (403) and a
+body not sent as JSON (415), so a page the operator visits cannot write to or drain the buffer
+with a "simple" cross-origin request, key or no key; ``BodySizeLimitMiddleware`` refuses a body
+larger than ``max_request_bytes`` with a 413 before the route sees it. All are pure ASGI: they
+run on every write.
 
 Out: no traceback reaches a client; the API names where an error happened instead
 (``buffer.registry.where``) and the log keeps the whole traceback. Unexpected errors are a bare
@@ -47,7 +50,7 @@ def required_key(settings: Settings) -> str | None:
 
 def warn_if_exposed(settings: Settings) -> None:
     """Log a warning when the service listens beyond this machine without an API key."""
-    if required_key(settings) is None and not _is_loopback(settings.host):
+    if required_key(settings) is None and not is_loopback(settings.host):
         logger.warning(
             "listening on %s:%s without an API key: anyone who can reach this port can read and write "
             "the buffer and start generators. Set a key with --api-key or %s (clients read the same "
@@ -58,7 +61,8 @@ def warn_if_exposed(settings: Settings) -> None:
         )
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address (``127.0.0.0/8``, ``::1``, bracketed or not)."""
     if host.lower() == "localhost":
         return True
     try:
@@ -124,6 +128,80 @@ def _unauthorized(problem: str, path: str) -> Response:
     response = envelope(False, message, status_code=401)
     response.headers["www-authenticate"] = BASIC_CHALLENGE if in_browser else "Bearer"
     return response
+
+
+# -- browsers ---------------------------------------------------------------------------
+
+#: Methods a page can send cross-origin without asking first, and that change nothing here.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+#: ``Sec-Fetch-Site`` values of a request some other site's page made.
+OTHER_SITES = frozenset({b"cross-site", b"same-site"})  # same-site: another port or subdomain
+NOT_JSON = "the body must be JSON: send 'Content-Type: application/json'"
+
+
+class BrowserGuardMiddleware:
+    """Refuses what only a browser on another origin's page sends: a POST whose ``Origin`` is
+    not the service's own (or ``Sec-Fetch-Site`` says another site) gets 403 unless the origin
+    is allowed (``--allowed-origins``, ``*`` for any); a body whose ``Content-Type`` is not
+    JSON gets 415. A cross-origin ``fetch`` or form can send ``text/plain`` or a form without
+    asking first (no CORS preflight), and the buffer would take it; clients (the trainer, the
+    generators, curl with ``-H 'content-type: application/json'``) send no ``Origin``, and JSON.
+    """
+
+    def __init__(self, app: ASGIApp, allowed_origins: list[str] | None = None) -> None:
+        self.app = app
+        allowed = allowed_origins or []
+        self._any_origin = "*" in allowed
+        self._allowed = frozenset(origin.rstrip("/").lower().encode() for origin in allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in SAFE_METHODS:
+            await self.app(scope, receive, send)
+            return
+        origin = site = host = content_type = None
+        for name, value in scope["headers"]:
+            if name == b"content-type":
+                content_type = value
+            elif name == b"origin":
+                origin = value
+            elif name == b"sec-fetch-site":
+                site = value
+            elif name == b"host":
+                host = value
+        if not self._any_origin and self._foreign(scope, origin, site, host):
+            shown = (origin or b"another site").decode("latin-1")
+            problem = f"a browser request from {shown} is refused: allow its origin with --allowed-origins"
+            await self._refuse(scope, receive, send, 403, problem)
+        elif not _is_json(content_type):
+            await self._refuse(scope, receive, send, 415, NOT_JSON)
+        else:
+            await self.app(scope, receive, send)
+
+    def _foreign(self, scope: Scope, origin: bytes | None, site: bytes | None, host: bytes | None) -> bool:
+        if site == b"same-origin":
+            return False
+        if origin is not None:
+            origin = origin.rstrip(b"/").lower()
+            own = scope.get("scheme", "http").encode() + b"://" + (host or b"").lower()
+            return origin != own and origin not in self._allowed
+        return site in OTHER_SITES
+
+    @staticmethod
+    async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, problem: str) -> None:
+        logger.info("refused %s %s: %s", scope["method"], scope["path"], problem)
+        await envelope(False, problem, status_code=status)(scope, receive, send)
+
+
+def _is_json(content_type: bytes | None) -> bool:
+    """``application/json`` or a ``+json`` type, parameters (``; charset=utf-8``) aside; or none
+    at all, taken as JSON as FastAPI (and slime's buffer) take it: a client posting
+    ``data=json.dumps(...)`` sends none, and a browser sending none sends an ``Origin``."""
+    if content_type is None:
+        return True
+    media_type = content_type.partition(b";")[0].strip().lower()
+    return media_type == b"application/json" or (
+        media_type.startswith(b"application/") and media_type.endswith(b"+json")
+    )
 
 
 # -- the request size -------------------------------------------------------------------

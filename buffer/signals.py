@@ -38,5 +38,5 @@ class ReadySignal:
                 return False
             try:
                 await asyncio.wait_for(event.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return condition()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
@@ -71,6 +71,7 @@ class ReadyGroup:
     task_type: str
     instance_id: InstanceId
     items: list[bytes]
+    ready_at: float = 0.0  # wall-clock seconds it finished; 0: unknown (restored from a snapshot)
 
 
 @dataclass(slots=True)
@@ -84,6 +85,14 @@ class SetAsideGroup:
     traceback: str
     at: float
     items: list[bytes]
+
+
+@dataclass(slots=True)
+class Tally:
+    """Trajectories held by every task together (open groups and ready ones), kept as each
+    task's counts change, so the buffer's limit costs O(1) on each write, whatever the tasks."""
+
+    items: int = 0
 
 
 class TaskBuffer:
@@ -100,10 +109,15 @@ class TaskBuffer:
         on_ready: Callable[[], None],
         log: Callable[[bytes], None] | None = None,
         keep_set_aside: int = 100,
+        tally: Tally | None = None,
     ) -> None:
         """``hooks_source`` names where the hooks came from, for a restart to find them again;
-        ``log`` receives a journal record for every group that finishes."""
+        ``log`` receives a journal record for every group that finishes; ``tally`` follows
+        ``pending_items + ready_items``, shared by the buffer's tasks."""
         self.task_type = task_type
+        self.tally = tally or Tally()
+        self._pending_items = 0
+        self._ready_items = 0
         self.reconfigure(settings, hooks, hooks_source)
         self._sequence = sequence
         self._on_ready = on_ready
@@ -123,12 +137,36 @@ class TaskBuffer:
         #: it started, whatever their outcome, for a resumed job to skip (see ``RolloutBuffer``).
         self.job_finished: Counter[InstanceId] | None = None
         self.rewards = RewardStats()  # every raw reward written, for metrics and the dashboard
+        # How long the groups reads took had waited since they finished: the trainer's lag.
+        # Kept since the service started (not restored: Prometheus reads a restart as a reset).
+        self.served_age_s_sum = 0.0
+        self.served_age_count = 0
         # Since the last successful read: what meta_info reports.
         self.window = RewardStats()
         self.window_instances: set[InstanceId] = set()
         self.window_records: list[tuple[InstanceId, Record]] = []
         self.finished_instance_ids: list[InstanceId] = []
         self.window_discarded: Counter[str] = Counter()
+
+    @property
+    def pending_items(self) -> int:
+        """Trajectories in open groups."""
+        return self._pending_items
+
+    @pending_items.setter
+    def pending_items(self, value: int) -> None:
+        self.tally.items += value - self._pending_items
+        self._pending_items = value
+
+    @property
+    def ready_items(self) -> int:
+        """Trajectories in finished groups waiting to be read."""
+        return self._ready_items
+
+    @ready_items.setter
+    def ready_items(self, value: int) -> None:
+        self.tally.items += value - self._ready_items
+        self._ready_items = value
 
     def reconfigure(self, settings: TaskSettings, hooks: Hooks, hooks_source: str | None = None) -> None:
         """New settings apply to groups opened from now on; open groups keep their size."""
@@ -216,7 +254,7 @@ class TaskBuffer:
         if self.job_finished is not None:
             self.job_finished[group.instance_id] += 1
         if isinstance(outcome, Ready):
-            self.ready.append(ReadyGroup(seq, self.task_type, group.instance_id, outcome.items))
+            self.ready.append(ReadyGroup(seq, self.task_type, group.instance_id, outcome.items, at))
             self.ready_items += len(outcome.items)
             self._on_ready()
             return
@@ -355,12 +393,37 @@ class TaskBuffer:
             raise ValueError(f"not a task snapshot record: {kind!r}")
 
     def pop_ready(self) -> ReadyGroup:
-        group = self.ready.popleft()
-        self.ready_items -= len(group.items)
-        self.delivered_items += len(group.items)
-        self.delivered_groups += 1
-        self.finished_instance_ids.append(group.instance_id)
-        return group
+        """Take the oldest ready group."""
+        return self.take_ready([self.ready[0].seq])[0]
+
+    def take_ready(self, seqs: Collection[int]) -> list[ReadyGroup]:
+        """Take the ready groups numbered ``seqs`` (a read's choice), oldest first; the groups
+        before them that the read passed over keep their places at the front. O(groups up to
+        the last one taken)."""
+        wanted = set(seqs)
+        taken: list[ReadyGroup] = []
+        passed: list[ReadyGroup] = []
+        while wanted:
+            group = self.ready.popleft()
+            if group.seq in wanted:
+                wanted.discard(group.seq)
+                taken.append(group)
+            else:
+                passed.append(group)
+        self.ready.extendleft(reversed(passed))
+        for group in taken:
+            self.ready_items -= len(group.items)
+            self.delivered_items += len(group.items)
+            self.delivered_groups += 1
+            self.finished_instance_ids.append(group.instance_id)
+        return taken
+
+    def record_served(self, group: ReadyGroup, now: float) -> None:
+        """Count the wait of a group a read took (live reads only: a replayed read would
+        measure the restart, not the trainer)."""
+        if group.ready_at > 0:
+            self.served_age_s_sum += max(0.0, now - group.ready_at)
+            self.served_age_count += 1
 
     def window_meta_info(self) -> dict[str, Any]:
         """Statistics since the last successful read, by the task's meta hook if it has one."""
@@ -403,8 +466,12 @@ class TaskBuffer:
             "discarded_groups": dict(self.discarded),
             "set_aside_groups": self.set_aside_total,
             "reward_count": self.rewards.count,
+            "reward_sum": self.rewards.mean * self.rewards.count,
             "reward_mean": self.rewards.mean if self.rewards.count else 0.0,
             "reward_std": self.rewards.sample_std,
+            # The trainer's lag: the seconds the groups read had waited once finished, and how many.
+            "served_age_s_sum": self.served_age_s_sum,
+            "served_age_count": self.served_age_count,
             "hooks_overridden": sorted(self.hooks.overridden),
         }
 

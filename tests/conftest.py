@@ -39,6 +39,8 @@ def make_client(generator_dir: Path) -> Iterator[Callable[..., TestClient]]:
     clients: list[TestClient] = []
 
     def make(**overrides: Any) -> TestClient:
+        # In-process jobs: a TestClient listens on no port a worker process could write to.
+        overrides = {"job_isolation": "inline", **overrides}
         settings = Settings(generator_dir=generator_dir, port=8889, **overrides)
         client = TestClient(create_app(settings))
         client.__enter__()

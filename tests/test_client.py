@@ -27,6 +27,7 @@ from buffer.client import (
     RolloutBatch,
     RolloutBufferClient,
 )
+from buffer.client.polling import LongPoll
 from buffer.demo import free_port, started, wait_ready
 
 pytestmark = pytest.mark.anyio
@@ -156,13 +157,18 @@ async def test_batch_size_is_respected_in_whole_groups(kind: str, service: str) 
     assert not empty.success
 
 
-async def test_an_instance_repeated_back_to_back_comes_as_two_groups(kind: str, service: str) -> None:
+async def test_an_instance_repeated_back_to_back_comes_as_two_groups_in_two_reads(
+    kind: str, service: str
+) -> None:
     task = new_task()
     await write(service, task, "a", REWARDS * 2)  # a full group closes; the next 4 open another
     async with connect(kind, service) as buffer:
-        batch = await buffer.get_rollout_data(task_type=task)
-    assert [len(group) for group in batch.groups()] == [4, 4]
-    assert batch.finished_groups == ["a", "a"]
+        first = await buffer.get_rollout_data(task_type=task)
+        second = await buffer.get_rollout_data(task_type=task)
+    # One read never holds two groups of an instance: slime's trainer would merge them.
+    assert [len(group) for group in first.groups()] == [4]
+    assert [len(group) for group in second.groups()] == [4]
+    assert first.finished_groups == second.finished_groups == ["a"]
 
 
 async def test_stats_count_what_was_written_pending_ready_and_read(kind: str, service: str) -> None:
@@ -374,8 +380,18 @@ async def test_a_long_wait_is_sent_to_the_server_in_slices(kind: str) -> None:
 
 
 @respx.mock
-async def test_a_server_that_does_not_long_poll_is_polled_with_growing_pauses(kind: str) -> None:
+async def test_a_server_that_does_not_long_poll_is_polled_with_growing_pauses(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     sent_at: list[float] = []
+    pauses: list[float | None] = []
+    pause_s = LongPoll.pause_s
+
+    def spy(poll: LongPoll, asked_s: float, answered_in_s: float) -> float | None:
+        pauses.append(pause_s(poll, asked_s, answered_in_s))
+        return pauses[-1]
+
+    monkeypatch.setattr(LongPoll, "pause_s", spy)
 
     def at_once(request: httpx.Request) -> httpx.Response:
         sent_at.append(time.monotonic())
@@ -391,7 +407,10 @@ async def test_a_server_that_does_not_long_poll_is_polled_with_growing_pauses(ki
     assert 0.95 <= elapsed_s < 2
     assert 3 <= route.call_count <= 15
     assert min(gaps[:-1]) >= 0.09  # the last pause is cut to what remains of wait_s
-    assert gaps[1] > gaps[0]
+    first, second = pauses[0], pauses[1]
+    assert first is not None
+    assert second is not None
+    assert second > first  # the pauses grow
 
 
 @respx.mock

@@ -382,3 +382,19 @@ def test_writes_from_other_threads_are_safe(clock: FakeClock) -> None:
         thread.join()
     delivered += buffer.read().num_items
     assert delivered == 4 * 200 * 4
+
+
+def test_a_read_counts_how_long_its_groups_waited_since_they_finished() -> None:
+    """The trainer's lag: a group finished at t and read at t + 5 waited 5 s."""
+    import time
+
+    later = [0.0]
+    buffer = RolloutBuffer(TaskSettings(group_size=2), wall_clock=lambda: time.time() + later[0])
+    buffer.write_many(group("q1", [0, 1]) + group("q2", [1, 0]))
+    later[0] = 5.0
+    assert len(buffer.read(max_items=2).groups) == 1
+    counters = buffer.stats()["tasks"][DEFAULT_TASK]
+    assert counters["served_age_count"] == 1
+    assert counters["served_age_s_sum"] == pytest.approx(5.0, abs=0.5)
+    buffer.peek()  # looking is no serving
+    assert buffer.stats()["tasks"][DEFAULT_TASK]["served_age_count"] == 1

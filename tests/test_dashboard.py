@@ -1,9 +1,12 @@
 """The dashboard, end to end: the real service in a subprocess, the page in headless Chromium.
 
 The test writes trajectories over HTTP while the page polls, and checks that the charts hold
-drawn pixels, that what the page drew changes as samples arrive, that the generator which
-failed to import is listed and that the job table shows the job. It saves a screenshot in its
-temporary folder, or in ``docs/dashboard.png`` for the README when ``UPDATE_SCREENSHOT=1``.
+drawn pixels, that what the page drew changes as samples arrive, that hovering a chart shows its
+values, that the trajectory viewer opens a group with its tokens and loss mask, that the
+generator which failed to import is listed and that the job list shows the job. It saves a
+screenshot in its temporary folder, or in ``docs/dashboard.png`` for the README when
+``UPDATE_SCREENSHOT=1``. Chromium resolves no host but the loopback one: the pages must work
+with no network (``/docs`` too).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 README_SCREENSHOT = REPO_ROOT / "docs" / "dashboard.png"
-CHARTS = ("chart-rate", "chart-groups", "chart-delivered", "chart-reward")
+CHARTS = ("chart-rate", "chart-groups", "chart-delivered", "chart-reward", "chart-lag")
 
 BROKEN_GENERATOR = """
 TASK_TYPE = "broken"
@@ -46,7 +49,7 @@ def run_rollout(data):
 
 # Count the canvas pixels that are not transparent.
 PAINTED_PIXELS = """
-const canvas = document.getElementById(arguments[0]);
+const canvas = document.querySelector(`#${arguments[0]} canvas`);
 if (!canvas || !canvas.width || !canvas.height) return 0;
 const pixels = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
 let painted = 0;
@@ -105,6 +108,8 @@ def browser(tmp_path: Path) -> Iterator[Any]:
         "--disable-sync",
         "--no-first-run",
         "--window-size=1400,1380",
+        # No network: every host but the service's loopback address fails to resolve.
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
         f"--user-data-dir={tmp_path / 'chromium'}",
     ):
         options.add_argument(argument)
@@ -170,15 +175,80 @@ def test_dashboard_draws_live_charts_jobs_and_failed_generators(
             assert last["charts"][chart]["points"] > 0, chart
             assert browser.execute_script(PAINTED_PIXELS, chart) > 500, f"{chart} is blank"
 
+        # Hovering a chart shows the values under the cursor in its legend.
+        from selenium.webdriver.common.action_chains import ActionChains
+
+        over = browser.find_element("css selector", "#chart-rate .u-over")
+        ActionChains(browser).move_to_element_with_offset(over, over.size["width"] // 2 - 5, 0).perform()
+        _wait_for(
+            browser,
+            "[...document.querySelectorAll('#chart-rate .u-legend .u-series .u-value')]"
+            ".some((cell) => /[0-9]/.test(cell.textContent))",
+            5,
+        )
+
+        # Each poll carries only the samples newer than the page's last one, not the history again.
+        state = _state(browser)
+        assert state["samples"] >= 4
+        assert all(poll["samples"] <= 2 for poll in state["polls"][-3:]), state["polls"]
+        full = len(client.get("/dashboard/data").content)
+        assert max(poll["bytes"] for poll in state["polls"][-3:]) < full
+
+        # The viewer: a task, one of its ready groups, its messages and the tokens the trainer gets.
+        turns_group = [
+            {
+                **_trajectory("code", 999, k),
+                "instance_id": "code-turns",
+                "turns": [
+                    {
+                        "prompt_ids": [11, 12, 13],
+                        "output_ids": [21, 22, 23, 24],
+                        "output_logprobs": [-0.1, -0.2, -0.3, -0.4],
+                        "finish_reason": "stop",
+                        "message_index": 1,
+                    }
+                ],
+            }
+            for k in range(2)
+        ]
+        assert client.post("/buffer/write_batch", json=turns_group).json()["success"]
+        from selenium.webdriver.support.ui import Select
+
+        _wait_for(
+            browser,
+            "[...document.querySelectorAll('#viewer-task option')].some((o) => o.value === 'code')",
+            10,
+        )
+        Select(browser.find_element("id", "viewer-task")).select_by_value("code")
+        _wait_for(
+            browser,
+            "[...document.querySelectorAll('#viewer-group option')].some((o) => o.value === 'code-turns')",
+            10,
+        )
+        Select(browser.find_element("id", "viewer-group")).select_by_value("code-turns")
+        _wait_for(browser, "document.querySelectorAll('#viewer-body .trajectory').length === 2", 10)
+        first_trajectory = browser.find_elements("css selector", "#viewer-body .trajectory")[0]
+        assert "\\boxed{2}" in first_trajectory.text
+        masked = [span.text for span in first_trajectory.find_elements("css selector", ".tokens .m1")]
+        unmasked = [span.text for span in first_trajectory.find_elements("css selector", ".tokens .m0")]
+        assert (unmasked, masked) == (["11", "12", "13"], ["21", "22", "23", "24"])
+        # A group written without token records says where its tokens come from instead.
+        other = next(
+            o.get_attribute("value")
+            for o in browser.find_elements("css selector", "#viewer-group option")
+            if o.get_attribute("value") not in ("", "code-turns")
+        )
+        Select(browser.find_element("id", "viewer-group")).select_by_value(other)
+        _wait_for(browser, "document.querySelectorAll('#viewer-body .no-tokens').length === 2", 10)
+
         failed = browser.find_elements("css selector", "#generator-errors li.generator-error")
         assert len(failed) == 1
         assert "broken" in failed[0].text
         assert "broken on purpose" in failed[0].text
 
-        rows = browser.find_elements("css selector", "#jobs tbody tr")
-        assert len(rows) == 1
-        assert "job-1" in rows[0].text
-        assert "no policy server in this test" in rows[0].text
+        jobs = browser.find_element("id", "job-progress").text
+        assert "job-1" in jobs
+        assert "no policy server in this test" in jobs
 
         tasks = browser.find_element("css selector", "#tasks tbody").text
         assert "math" in tasks
@@ -189,7 +259,18 @@ def test_dashboard_draws_live_charts_jobs_and_failed_generators(
             README_SCREENSHOT if os.environ.get("UPDATE_SCREENSHOT") == "1" else tmp_path / "dashboard.png"
         )
         screenshot.parent.mkdir(exist_ok=True)
+        browser.execute_script("window.scrollTo(0, 0)")
         assert browser.save_screenshot(str(screenshot))
+
+
+def test_docs_render_with_no_network(service: str, browser: Any) -> None:
+    """Swagger UI's files come from the service, not from a CDN the machine cannot reach."""
+    browser.get(f"{service}/docs")
+    _wait_for(browser, "document.querySelectorAll('.swagger-ui .opblock').length > 10", 20)
+    paths = browser.execute_script(
+        "return [...document.querySelectorAll('.opblock-summary-path')].map((e) => e.textContent)"
+    )
+    assert any("/get_rollout_data" in path for path in paths), paths
 
 
 def test_history_samples_task_counters_once_per_interval_and_keeps_the_last() -> None:
@@ -214,6 +295,10 @@ def test_history_samples_task_counters_once_per_interval_and_keeps_the_last() ->
         "delivered_groups": 0,
         "reward_mean": 0.25,
         "reward_std": pytest.approx(0.3535, abs=1e-3),
+        "reward_count": 2,
+        "reward_sum": 0.5,
+        "served_age_s_sum": 0.0,
+        "served_age_count": 0,
     }
     clock[0] = 0.5
     assert history.sample(buffer) is None  # a sweeper faster than the interval adds nothing

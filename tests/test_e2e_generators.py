@@ -184,7 +184,9 @@ def test_a_wrong_model_name_fails_the_job_with_the_engines_message(process: Proc
     engine = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Vllm)
     threading.Thread(target=engine.serve_forever, daemon=True).start()
     try:
-        buffer_url = process("buffer.py", "--log-level", "warning", name="buffer")
+        buffer_url = process(
+            "buffer.py", "--log-level", "warning", "--input-roots", str(tmp_path), name="buffer"
+        )
         with httpx.Client(base_url=buffer_url, timeout=30, trust_env=False) as client:
             started = client.post(
                 "/start_rollout",

@@ -119,6 +119,28 @@ def test_engine_hosts_outside_the_allowlist_are_refused(
     assert start({"remote_engine_url": "http://anywhere.example/v1"})[0] == 200  # default: any host
 
 
+def test_each_engine_of_a_pool_is_checked_against_the_allowlist(
+    start: Callable[..., tuple[int, dict[str, object]]], tmp_path: Path
+) -> None:
+    hosts = {"allowed_engine_hosts": ["engine.internal", "10.0.0.7"]}
+    pool = ["http://engine.internal:30000", "http://10.0.0.7:30000/v1"]
+    status, answer = start({"remote_engine_url": pool}, **hosts)
+    assert status == 200, answer
+    status, answer = start({"remote_engine_url": [*pool, "http://169.254.169.254/latest"]}, **hosts)
+    assert (status, refused(answer)) == (422, ["remote_engine_url.2"])
+    status, answer = start({"remote_engine_url": ["http://engine.internal", "file:///etc/passwd"]}, **hosts)
+    assert (status, refused(answer)) == (422, ["remote_engine_url.1"])
+
+
+@pytest.mark.parametrize("value", [[], [1], "", 5])
+def test_remote_engine_url_is_a_url_or_a_non_empty_list_of_them(
+    start: Callable[..., tuple[int, dict[str, object]]], value: object
+) -> None:
+    status, answer = start({"remote_engine_url": value})
+    assert status == 422, answer
+    assert refused(answer)[0].startswith("remote_engine_url")
+
+
 def test_the_job_reads_the_input_file_resolved(
     start: Callable[..., tuple[int, dict[str, object]]], tmp_path: Path
 ) -> None:

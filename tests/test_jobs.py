@@ -42,6 +42,7 @@ async def run_rollout(data):
 
 @contextmanager
 def service(generator_dir: Path, data_dir: Path, **overrides: Any) -> Iterator[TestClient]:
+    overrides = {"job_isolation": "inline", **overrides}  # a TestClient has no port for workers
     settings = Settings(generator_dir=generator_dir, data_dir=data_dir, group_size=3, **overrides)
     with TestClient(create_app(settings)) as client:
         yield client
@@ -190,7 +191,8 @@ def test_a_job_resumed_after_sigkill_makes_each_group_exactly_once(
             (job,) = client.get("/jobs").json()["data"]["jobs"]
             assert job["status"] == "succeeded", job
             assert 0 < job["progress"]["total"] < 96  # it made only what was missing
-            received += client.post("/get_rollout_data", json={"batch_size": -1}).json()["data"]["data"]
+            while batch := client.post("/get_rollout_data", json={"batch_size": -1}).json()["data"]["data"]:
+                received += batch  # a read returns one group per instance: one read per epoch
             stats = totals(client)
     per_group = Counter((item["instance_id"], item["extra_info"]["repeat"]) for item in received)
     assert len(received) == 96, Counter(item["instance_id"] for item in received)
@@ -199,7 +201,7 @@ def test_a_job_resumed_after_sigkill_makes_each_group_exactly_once(
     assert "resuming the slow rollout that was running when the service crashed" in log.read_text()
 
 
-# Kills the service it runs in, a moment after it starts.
+# Kills the process it runs in, a moment after it starts: the service, when jobs run inline.
 KILLER = """
 import asyncio, os, signal
 
@@ -218,16 +220,38 @@ def test_a_generator_that_kills_the_service_is_failed_after_two_crashes(
 ) -> None:
     (generator_dir / "killer_generator.py").write_text(KILLER)
     port, data_dir, log = free_port(), tmp_path / "data", tmp_path / "buffer.log"
-    with buffer_process(port, data_dir, generator_dir, log) as (process, url):
+    inline = ("--job-isolation", "inline")
+    with buffer_process(port, data_dir, generator_dir, log, *inline) as (process, url):
         wait_ready(f"{url}/health", process, 60, "the buffer")
         assert httpx.post(f"{url}/start_rollout", json={"task_type": "killer"}).status_code == 200
         assert process.wait(timeout=30) == -signal.SIGKILL
-    with buffer_process(port, data_dir, generator_dir, log) as (process, url):  # resumed once
+    with buffer_process(port, data_dir, generator_dir, log, *inline) as (process, url):  # resumed once
         assert process.wait(timeout=30) == -signal.SIGKILL
-    with buffer_process(port, data_dir, generator_dir, log) as (process, url):
+    with buffer_process(port, data_dir, generator_dir, log, *inline) as (process, url):
         wait_ready(f"{url}/health", process, 60, "the buffer")
         (job,) = httpx.get(f"{url}/jobs").json()["data"]["jobs"]
         assert job["status"] == "failed"
         assert "2 times in a row" in job["error"]
         time.sleep(1.5)  # longer than the generator waits before it kills
+        assert process.poll() is None
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_in_a_worker_process_a_generator_that_kills_itself_fails_only_its_job(
+    generator_dir: Path, tmp_path: Path
+) -> None:
+    (generator_dir / "killer_generator.py").write_text(KILLER)
+    port, data_dir, log = free_port(), tmp_path / "data", tmp_path / "buffer.log"
+    with buffer_process(port, data_dir, generator_dir, log, "--worker-grace-s", "1") as (process, url):
+        wait_ready(f"{url}/health", process, 60, "the buffer")
+        job = httpx.post(f"{url}/start_rollout", json={"task_type": "killer"}).json()["job"]
+        done = wait_for(
+            lambda: (j := httpx.get(f"{url}/jobs/{job['id']}").json()["data"])["status"] != "running" and j,
+            60,
+            "the job",
+        )
+        assert done["status"] == "failed"
+        assert done["error"] == "the worker process was killed by SIGKILL"
+        assert done["worker_restarts"] == 2  # SIGKILL from outside is retried twice, then given up
         assert process.poll() is None

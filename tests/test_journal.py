@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import os
+import shutil
+import signal
+import sqlite3
+import struct
+import subprocess
+import sys
+import threading
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,14 +22,16 @@ from typing import Any
 import orjson
 import pytest
 
-from buffer import export
-from buffer.errors import BufferFull, StorageFailed
+from buffer import cli, datacheck, export
+from buffer import journal as journal_module
+from buffer.errors import BufferFull, InvalidInput, StorageFailed
 from buffer.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE, Hooks, bind_hooks
-from buffer.journal import Journal, JournalCorrupt, read_records
+from buffer.journal import Journal, JournalCorrupt
 from buffer.rollout_buffer import RolloutBuffer
 from buffer.task import TaskSettings
 from tests.factories import FakeClock, group, trajectory
 
+WALL_BASE = time.time() - 1000  # the fake clock's wall time: now, so the export retention keeps it
 CUSTOM_META = bind_hooks({"get_group_data_meta_info": lambda temp_data: {"instances": sorted(temp_data)}})
 FAILING = bind_hooks({"normalize_group_data": lambda group, *args: 1 / 0})
 
@@ -37,7 +49,7 @@ class Service:
         self.buffer = RolloutBuffer(
             TaskSettings(group_size=4, group_timeout_s=60),
             clock=clock,
-            wall_clock=lambda: clock.now + 1.7e9,
+            wall_clock=lambda: clock.now + WALL_BASE,
             hooks_for=hooks_for,
         )
         try:
@@ -69,8 +81,11 @@ def open_service(tmp_path: Path, clock: FakeClock) -> Iterator[Any]:
 def state(buffer: RolloutBuffer) -> dict[str, Any]:
     """Everything a client can observe, without changing it."""
     tasks = buffer._tasks
+    stats = buffer.stats()
+    for counters in stats["tasks"].values():  # the trainer's lag is counted afresh by each process
+        del counters["served_age_s_sum"], counters["served_age_count"]
     return {
-        "stats": {**buffer.stats(), "journal": None},  # the journal's own counters start afresh
+        "stats": {**stats, "journal": None},  # the journal's own counters start afresh
         "ready": [(g.task_type, g.instance_id, g.seq, g.items) for g in buffer.peek()],
         "open": {
             name: [(g.instance_id, g.size, [r.uid for r in g.records]) for g in task.open.values()]
@@ -135,16 +150,22 @@ def test_a_snapshot_restores_the_same_state_as_the_journal(open_service: Any, cl
     first = open_service()
     fill(first.buffer, clock)
     first.journal.compact()
-    first.buffer.write(trajectory("after", 1.0, task_type="math"))  # into the new segment
+    first.buffer.write(trajectory("after", 1.0, task_type="math"))  # after the snapshot
     first.journal.wait_durable_blocking(5)
     before = state(first.buffer)
-    journal_dir = first.journal.directory / "journal"
-    assert len(list(journal_dir.glob("*.snapshot"))) == 1
-    assert len(list(journal_dir.glob("*.log"))) == 1  # the segments it replaces are gone
+    assert first.journal.compactions == 1
+    assert [h["e"] for h in headers(first.journal.database, "events")] == ["nop", "w"]  # the rest replaced
+    assert headers(first.journal.database, "snapshot")
     second = open_service()
     assert state(second.buffer) == before
     second.journal.compact()  # a snapshot of a restored buffer restores the same again
+    second.journal.wait_durable_blocking(5)
     assert state(open_service().buffer) == before
+
+
+def headers(database: Path, table: str) -> list[dict[str, Any]]:
+    with contextlib.closing(sqlite3.connect(database)) as db:
+        return [orjson.loads(row[0]) for row in db.execute(f"SELECT header FROM {table} ORDER BY id")]
 
 
 def test_a_group_delivered_is_never_delivered_again(open_service: Any, clock: FakeClock) -> None:
@@ -193,56 +214,104 @@ def test_retried_writes_are_recognised_after_a_restart(open_service: Any, clock:
     assert len(second.buffer.read().groups[0].items) == 4
 
 
-def test_a_torn_last_record_is_cut_off_and_the_rest_restored(open_service: Any, clock: FakeClock) -> None:
-    first = open_service()
-    first.buffer.write_many(group("q1", [0, 1, 0, 1]))
-    first.buffer.write(trajectory("q2", 1.0))
-    first.close()
-    segment = max((first.journal.directory / "journal").glob("*.log"))
-    size = segment.stat().st_size
-    os.truncate(segment, size - 10)  # the last write, half on disk
-    second = open_service()
-    assert segment.stat().st_size < size - 10  # cut back to the last whole record
-    assert second.buffer.stats()["pending_items"] == 0
-    assert [g.instance_id for g in second.buffer.read().groups] == ["q1"]
-    second.buffer.write(trajectory("q2", 1.0))  # and the journal goes on after it
-    assert open_service().buffer.stats()["pending_items"] == 1
+def crash_image(journal: Journal, target: Path) -> Path:
+    """The data folder as a SIGKILL would leave it now: the database and its WAL, unmerged."""
+    target.mkdir()
+    for suffix in ("", "-wal"):
+        source = journal.database.with_name(journal.database.name + suffix)
+        shutil.copyfile(source, target / source.name)
+    return target
 
 
-def test_a_bad_record_before_the_end_stops_the_start_up(
+@contextlib.contextmanager
+def opened(directory: Path, clock: FakeClock, **options: Any) -> Iterator[Service]:
+    service = Service(directory, clock, **options)
+    try:
+        yield service
+    finally:
+        service.close()
+
+
+def test_a_torn_last_commit_is_dropped_and_the_rest_restored(
     open_service: Any, clock: FakeClock, tmp_path: Path
 ) -> None:
     first = open_service()
     first.buffer.write_many(group("q1", [0, 1, 0, 1]))
-    first.close()
-    second = open_service()  # a new segment after the first
-    second.buffer.write(trajectory("q2", 1.0))
-    second.close()
-    oldest = min((tmp_path / "data" / "journal").glob("*.log"))
-    data = bytearray(oldest.read_bytes())
-    data[20] ^= 0xFF
-    oldest.write_bytes(bytes(data))
-    with pytest.raises(JournalCorrupt, match=oldest.name):
+    first.journal.wait_durable_blocking(5)
+    first.buffer.write(trajectory("q2", 1.0))
+    first.journal.wait_durable_blocking(5)
+    image = crash_image(first.journal, tmp_path / "crashed")
+    wal = image / "buffer.sqlite3-wal"
+    os.truncate(wal, wal.stat().st_size - 10)  # the last commit, half on disk
+    with opened(image, clock) as second:
+        assert second.buffer.stats()["pending_items"] == 0
+        assert [g.instance_id for g in second.buffer.read().groups] == ["q1"]
+        second.buffer.write(trajectory("q2", 1.0))  # and the journal goes on after it
+        second.journal.wait_durable_blocking(5)
+    with opened(image, clock) as third:
+        assert third.buffer.stats()["pending_items"] == 1
+
+
+def corrupt_events(directory: Path) -> None:
+    """Overwrite a leaf page in the middle of the events table."""
+    database = directory / "buffer.sqlite3"
+    with contextlib.closing(sqlite3.connect(database)) as db:
+        page_size = db.execute("PRAGMA page_size").fetchone()[0]
+        pages = db.execute("SELECT pageno FROM dbstat WHERE name = 'events' AND pagetype = 'leaf'").fetchall()
+    page = sorted(pages)[len(pages) // 2][0]
+    with database.open("r+b") as file:
+        file.seek((page - 1) * page_size + 8)
+        file.write(b"\xff" * 64)
+
+
+def many_groups(service: Service, count: int) -> None:
+    for i in range(count):
+        service.buffer.write_many(group(f"q{i}", [0, 1, 0, 1]))
+
+
+def test_a_damaged_database_stops_the_start_up_naming_the_file(
+    open_service: Any, clock: FakeClock, tmp_path: Path
+) -> None:
+    many_groups(open_service(), 60)
+    open_service().close()
+    corrupt_events(tmp_path / "data")
+    with pytest.raises(JournalCorrupt, match=r"buffer\.sqlite3"):
         Service(tmp_path / "data", clock)
+
+
+def test_check_repair_salvages_every_readable_event_and_says_what_was_dropped(
+    open_service: Any, clock: FakeClock, tmp_path: Path
+) -> None:
+    first = open_service()
+    many_groups(first, 60)
+    first.buffer.read(max_items=8)  # q0, q1 delivered
+    first.close()
+    assert datacheck.check(tmp_path / "data").ok
+    corrupt_events(tmp_path / "data")
+    found = datacheck.check(tmp_path / "data")
+    assert not found.ok
+    assert found.problems
+    repaired = datacheck.check(tmp_path / "data", repair=True)
+    assert repaired.repaired
+    assert repaired.unreadable or repaired.not_replayed  # named, row by row
+    assert (tmp_path / "data" / "buffer.sqlite3.damaged").exists()
+    assert datacheck.check(tmp_path / "data").ok
+    with opened(tmp_path / "data", clock) as second:
+        restored = [g.instance_id for g in second.buffer.read().groups]
+    assert "q0" not in restored
+    assert "q59" in restored
+    assert 30 < len(restored) < 58  # what the damaged page held is gone, the rest is back
 
 
 def test_a_group_left_full_but_open_by_a_crash_is_finished(open_service: Any, clock: FakeClock) -> None:
     first = open_service()
     first.buffer.write_many(group("q1", [0, 1, 0, 1]))
     first.close()
-    segment = max((first.journal.directory / "journal").glob("*.log"))
-    events, end, _ = _records(segment)
-    assert events[-1]["e"] == "fin"
-    os.truncate(segment, end)  # the group's outcome never reached the disk
+    assert headers(first.journal.database, "events")[-1]["e"] == "fin"
+    with contextlib.closing(sqlite3.connect(first.journal.database)) as db:
+        db.execute("DELETE FROM events WHERE id = (SELECT max(id) FROM events)")  # the outcome never landed
+        db.commit()
     assert [g.instance_id for g in open_service().buffer.read().groups] == ["q1"]
-
-
-def _records(path: Path) -> tuple[list[dict[str, Any]], int, int]:
-    events, end, size = read_records(path)
-    last = events[-1]
-    # the offset where the last record starts
-    start = end - (8 + len(orjson.dumps(last.header)) + 1 + len(last.payload))
-    return [e.header for e in events], start, size
 
 
 def test_one_folder_serves_one_buffer(open_service: Any, clock: FakeClock, tmp_path: Path) -> None:
@@ -261,9 +330,7 @@ def test_reads_are_exported_with_their_time_and_read_id(open_service: Any, clock
     second = service.buffer.read("default")
     service.journal.wait_durable_blocking(5)
     lines = [
-        orjson.loads(line)
-        for chunk in export.read(service.journal.delivered_dir)
-        for line in chunk.splitlines()
+        orjson.loads(line) for chunk in export.read(service.journal.database) for line in chunk.splitlines()
     ]
     assert [(x["read_id"], x["task_type"], x["instance_id"]) for x in lines] == [
         (1, "math", "q1"),
@@ -273,21 +340,22 @@ def test_reads_are_exported_with_their_time_and_read_id(open_service: Any, clock
     delivered = [orjson.loads(item) for result in (first, second) for g in result.groups for item in g.items]
     assert [x["trajectory"] for x in lines] == delivered
     since = lines[2]["delivered_at"]
-    later = b"".join(export.read(service.journal.delivered_dir, since=since))
+    later = b"".join(export.read(service.journal.database, since=since))
     assert [orjson.loads(line)["read_id"] for line in later.splitlines()] == [2, 2, 2, 2]
-    only_math = b"".join(export.read(service.journal.delivered_dir, task_type="math"))
+    only_math = b"".join(export.read(service.journal.database, task_type="math"))
     assert len(only_math.splitlines()) == 2
 
 
 def test_exports_past_the_retention_are_dropped(open_service: Any, clock: FakeClock) -> None:
     service = open_service(retention_s=3600)
-    old = service.journal.delivered_dir / "2020-01-01T00.jsonl"
-    old.write_bytes(b"{}\n")
+    with contextlib.closing(sqlite3.connect(service.journal.database)) as db:
+        db.execute("INSERT INTO delivered VALUES (1, 1, 1577836800.0, 'default', 'old', '{}')")
+        db.commit()
     service.buffer.write_many(group("q1", [0, 1, 0, 1]))
     service.buffer.read()
     service.journal.wait_durable_blocking(5)
-    assert not old.exists()
-    assert len(list(service.journal.delivered_dir.glob("*.jsonl"))) == 1
+    lines = b"".join(export.read(service.journal.database)).splitlines()
+    assert [orjson.loads(line)["instance_id"] for line in lines] == ["q1"] * 4
 
 
 def test_a_write_is_durable_when_its_wait_returns(open_service: Any, clock: FakeClock) -> None:
@@ -298,8 +366,8 @@ def test_a_write_is_durable_when_its_wait_returns(open_service: Any, clock: Fake
         await service.buffer.wait_durable()
 
     asyncio.run(write_and_wait())
-    segment = max((service.journal.directory / "journal").glob("*.log"))
-    assert [record.header["e"] for record in read_records(segment)[0]] == ["task", "w", "w", "w", "w", "fin"]
+    kinds = [header["e"] for header in headers(service.journal.database, "events")]
+    assert kinds == ["task", "w", "w", "w", "w", "fin"]
     assert service.journal.commits >= 1
 
 
@@ -333,23 +401,242 @@ def test_compaction_runs_by_itself_as_the_journal_grows(open_service: Any, clock
     assert state(open_service().buffer) == before
 
 
-def test_a_disk_that_fails_refuses_writes_and_keeps_what_reached_it(
-    open_service: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+@pytest.fixture
+def fast_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(journal_module, "RETRY_INTERVAL_S", 0.05)
+
+
+class FailingCommits:
+    """Makes the journal's commits raise ``error`` while ``failing`` is set."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+        self.failing = threading.Event()
+        self.failing.set()
+        self.error = error
+        commit = Journal._commit
+
+        def failing_commit(journal: Journal, batch: list[Any], first: int) -> None:
+            if self.failing.is_set():
+                raise self.error
+            commit(journal, batch, first)
+
+        monkeypatch.setattr(Journal, "_commit", failing_commit)
+
+
+def wait_until(predicate: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def exported(service: Service) -> list[tuple[int, str]]:
+    lines = b"".join(export.read(service.journal.database)).splitlines()
+    return [(row["read_id"], row["instance_id"]) for row in map(orjson.loads, lines)]
+
+
+def test_a_full_disk_takes_reads_back_refuses_changes_and_recovers_without_a_restart(
+    open_service: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, fast_retry: None
 ) -> None:
     service = open_service()
     service.buffer.write_many(group("q1", [0, 1, 0, 1]))
+    service.buffer.write_many(group("q2", [0, 1, 0, 1]))
     service.journal.wait_durable_blocking(5)
-
-    def disk_full(self: Journal, fd: int, parts: list[bytes]) -> None:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(Journal, "_write", disk_full)
-    service.buffer.write(trajectory("q2", 1.0))
+    before = state(service.buffer)
+    disk = FailingCommits(monkeypatch, sqlite3.OperationalError("database or disk is full"))
+    assert [g.instance_id for g in service.buffer.read().groups] == ["q1", "q2"]
     with pytest.raises(StorageFailed, match="No space left on device"):
-        service.journal.wait_durable_blocking(5)
-    with pytest.raises(StorageFailed, match="No space left on device"):
+        service.journal.wait_durable_blocking(5)  # the reader gets a 503...
+    assert [g.instance_id for g in service.buffer.peek()] == ["q1", "q2"]  # ...and the groups are back
+    assert state(service.buffer) == before  # as if the read had never been
+    assert service.buffer.stats()["tasks"]["default"]["delivered_groups"] == 0
+    with pytest.raises(StorageFailed):
         service.buffer.write(trajectory("q3", 1.0))  # refused before anything changes
-    monkeypatch.undo()
+    with pytest.raises(StorageFailed):
+        service.buffer.read()
+    assert service.buffer.stats()["journal"]["failed"]
+    disk.failing.clear()  # space freed: the writer's next try succeeds
+    wait_until(lambda: service.journal.failure is None)
+    service.buffer.write_many(group("q3", [0, 1, 0, 1]))
+    assert [g.instance_id for g in service.buffer.read().groups] == ["q1", "q2", "q3"]
+    service.journal.wait_durable_blocking(5)
+    assert exported(service) == [(1, "q1")] * 4 + [(1, "q2")] * 4 + [(1, "q3")] * 4
     restarted = open_service()
-    assert [g.instance_id for g in restarted.buffer.read().groups] == ["q1"]
-    assert restarted.buffer.stats()["pending_items"] == 0  # q2 was never acknowledged
+    assert restarted.buffer.read().groups == []  # delivered once, never again
+    assert restarted.buffer.stats()["tasks"]["default"]["delivered_groups"] == 3
+
+
+def test_the_writer_survives_any_exception_and_fails_the_waiters_loudly(
+    open_service: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, fast_retry: None
+) -> None:
+    service = open_service()
+    bug = FailingCommits(monkeypatch, OverflowError("timestamp too large"))
+    service.buffer.write(trajectory("q1", 1.0))
+    with pytest.raises(StorageFailed, match="OverflowError: timestamp too large"):
+        service.journal.wait_durable_blocking(5)  # never a hang
+    bug.failing.clear()
+    wait_until(lambda: service.journal.failure is None)
+    service.buffer.write(trajectory("q1", 0.0))
+    service.journal.wait_durable_blocking(5)
+    started = time.monotonic()
+    service.close()
+    assert time.monotonic() - started < 5  # the writer stops when asked
+    assert open_service().buffer.stats()["pending_items"] == 2  # the first write was kept on the retry
+
+
+def test_an_infinite_export_retention_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="finite"):
+        Journal(tmp_path / "data", retention_s=math.inf)
+
+
+def test_the_journal_refuses_what_it_could_not_read_back(open_service: Any, clock: FakeClock) -> None:
+    with pytest.raises(InvalidInput, match=r"s\.group_timeout_s: must be a finite number"):
+        journal_module.encode({"e": "task", "s": {"group_timeout_s": math.inf, "reward_key": None}})
+    service = open_service()
+    with pytest.raises(InvalidInput, match="finite"):
+        service.buffer.configure_task("math", TaskSettings(group_size=2, group_timeout_s=math.nan), Hooks())
+    service.buffer.write_many(group("q1", [0, 1, 0, 1]))
+    assert [g.instance_id for g in open_service().buffer.read().groups] == ["q1"]  # it still starts
+
+
+def test_compaction_never_makes_durable_a_state_ahead_of_a_queued_read(
+    open_service: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    service = open_service()
+    service.buffer.write_many(group("q1", [0, 1, 0, 1]))
+    service.buffer.write_many(group("q2", [0, 1, 0, 1]))
+    service.journal.wait_durable_blocking(5)
+    held, holding = threading.Event(), threading.Event()
+    commit = Journal._commit
+
+    def held_commit(journal: Journal, batch: list[Any], first: int) -> None:
+        if journal is service.journal:
+            holding.set()
+            held.wait(10)
+        commit(journal, batch, first)
+
+    monkeypatch.setattr(Journal, "_commit", held_commit)
+    read = service.buffer.read()  # queued behind the held writer
+    assert len(read.groups) == 2
+    holding.wait(5)
+    service.journal.compact()  # the state without q1 and q2, staged and queued
+    crashed = crash_image(service.journal, tmp_path / "crashed")  # a SIGKILL now
+    with opened(crashed, clock) as after_crash:  # the read never answered: its groups are there
+        assert [g.instance_id for g in after_crash.buffer.read().groups] == ["q1", "q2"]
+    held.set()
+    service.journal.wait_durable_blocking(5)
+    assert service.journal.compactions == 1
+    restarted = open_service()  # the read answered: delivered, exported, never again
+    assert restarted.buffer.read().groups == []
+    assert exported(restarted) == [(1, "q1")] * 4 + [(1, "q2")] * 4
+
+
+KILL_DURING_EXPORT = """
+import os, signal, sys
+from pathlib import Path
+from buffer import export
+from buffer.journal import Journal
+from buffer.rollout_buffer import RolloutBuffer
+from buffer.task import TaskSettings
+from tests.factories import group
+
+journal = Journal(Path(sys.argv[1]))
+buffer = RolloutBuffer(TaskSettings(group_size=2))
+buffer.restore(journal.recover())
+buffer.attach(journal)
+for i in range(3):
+    buffer.write_many(group(f"q{i}", [0.0, 1.0]))
+journal.wait_durable_blocking(5)
+
+def killed(*args):  # SIGKILL between the read's record and its export
+    os.kill(os.getpid(), signal.SIGKILL)
+
+export.rows = export.lines = killed
+buffer.read()
+journal.wait_durable_blocking(5)
+"""
+
+
+def test_a_sigkill_between_a_read_and_its_export_loses_nothing(clock: FakeClock, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_DURING_EXPORT, str(data)], env=env, timeout=60, check=False
+    )
+    assert killed.returncode == -signal.SIGKILL
+    with opened(data, clock) as service:
+        assert exported(service) == []  # neither exported...
+        assert [g.instance_id for g in service.buffer.read().groups] == ["q0", "q1", "q2"]  # ...nor lost
+
+
+def test_a_folder_of_the_former_journal_is_migrated_once(
+    open_service: Any, clock: FakeClock, tmp_path: Path
+) -> None:
+    first = open_service()
+    fill(first.buffer, clock)
+    first.journal.wait_durable_blocking(5)
+    before = state(first.buffer)
+    lines = b"".join(export.read(first.journal.database))
+    first.close()
+    data = tmp_path / "data"
+    with contextlib.closing(sqlite3.connect(first.journal.database)) as db:
+        rows = db.execute("SELECT header, payload FROM events ORDER BY id").fetchall()
+    (data / "journal").mkdir()
+    frames = b""
+    for header, payload in rows:  # the former format: <u32 length><u32 CRC-32> body
+        body = header.encode() + b"\n" + payload
+        frames += struct.pack("<II", len(body), zlib.crc32(body)) + body
+    (data / "journal" / "00000001.log").write_bytes(frames + b"\x10\x00")  # and a torn tail
+    (data / "delivered").mkdir()
+    (data / "delivered" / "2026-11-21T14.jsonl").write_bytes(lines + b'{"delivered_at": 17')
+    for path in data.glob("buffer.sqlite3*"):
+        path.unlink()
+    second = open_service()
+    assert state(second.buffer) == before
+    assert b"".join(export.read(second.journal.database)) == lines
+    assert (data / "journal.migrated" / "00000001.log").exists()
+    assert not (data / "journal").exists()
+    third = open_service()  # once
+    assert state(third.buffer) == before
+    assert b"".join(export.read(third.journal.database)) == lines
+
+
+def test_a_read_taken_back_returns_its_groups_to_their_places(
+    open_service: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, fast_retry: None
+) -> None:
+    service = open_service()
+    for name in ("q1", "q1", "q2"):  # a second group of q1: the read passes it over
+        service.buffer.write_many(group(name, [0, 1, 0, 1]))
+    service.journal.wait_durable_blocking(5)
+    queue = service.buffer._tasks["default"].ready
+    before = [(g.instance_id, g.seq) for g in queue]
+    FailingCommits(monkeypatch, OSError(28, "No space left on device"))
+    assert [g.instance_id for g in service.buffer.read().groups] == ["q1", "q2"]
+    with pytest.raises(StorageFailed):
+        service.journal.wait_durable_blocking(5)
+    assert [(g.instance_id, g.seq) for g in service.buffer._tasks["default"].ready] == before
+    assert service.buffer.buffered_items() == 12
+
+
+def test_the_check_command_says_sound_damaged_or_repaired_in_its_exit_status(
+    open_service: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def check(*args: str) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["check", *args])
+        out, err = capsys.readouterr()
+        return exited.value.code if isinstance(exited.value.code, int) else 1, out + err
+
+    many_groups(open_service(), 20)
+    open_service().close()
+    data = str(tmp_path / "data")
+    assert check(data)[0] == 0
+    corrupt_events(tmp_path / "data")
+    code, said = check(data)
+    assert code == 1
+    assert "--repair" in said
+    assert check(data, "--repair")[0] == 0
+    assert check(data)[0] == 0
+    code, said = check(str(tmp_path / "nowhere"))
+    assert code == 2
+    assert "no such folder" in said

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from starlette.types import Message, Receive, Scope, Send
 
-from buffer.logs import UVICORN_LOGGERS, RequestIdMiddleware, configure_logging, request_id
+from buffer.logs import CHATTY_LOGGERS, UVICORN_LOGGERS, RequestIdMiddleware, configure_logging, request_id
 
 logger = logging.getLogger("buffer.test_logs")
 
@@ -23,7 +23,7 @@ logger = logging.getLogger("buffer.test_logs")
 def log_stream() -> Iterator[io.StringIO]:
     """Logging configured to a StringIO; the loggers it touches are put back afterwards."""
     root = logging.getLogger()
-    names = ("httpx", *UVICORN_LOGGERS)
+    names = (*CHATTY_LOGGERS, *UVICORN_LOGGERS)
     saved = {name: (logging.getLogger(name).level, logging.getLogger(name).propagate) for name in names}
     saved_handlers = {name: logging.getLogger(name).handlers[:] for name in names}
     root_level = root.level
@@ -153,6 +153,16 @@ def test_uvicorn_and_httpx_loggers(log_stream: io.StringIO) -> None:
         'INFO    uvicorn.access: 127.0.0.1:1 - "GET / HTTP/1.1" 200',
     ]
     assert logging.getLogger("uvicorn.access").handlers == []
+
+
+@pytest.mark.parametrize("name", ["openai", "aiohttp", "httpcore"])
+def test_the_http_clients_say_only_their_warnings_by_default(log_stream: io.StringIO, name: str) -> None:
+    """The OpenAI SDK and aiohttp log a line per engine request: a flood at a generator's rate."""
+    configure_logging("info", "text", stream=log_stream)
+    logging.getLogger(name).info("HTTP Request: POST http://llm/v1/chat/completions")
+    logging.getLogger(name).warning("Retrying request")
+    lines = log_stream.getvalue().splitlines()
+    assert [line.split(" ", 2)[2] for line in lines] == [f"WARNING {name}: Retrying request"]
 
 
 def test_configuring_again_does_not_duplicate_lines(log_stream: io.StringIO) -> None:

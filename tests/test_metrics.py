@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from buffer.toolkit.runner import Progress
-from buffer.toolkit.types import Completion
+from buffer.toolkit.types import Completion, TokenCapture
 from tests.calls import WAITING, job_status, read, wait_for, write_all
 from tests.factories import group, write_generator
 
@@ -51,6 +51,12 @@ def test_buffer_metrics_count_writes_reads_states_discards_and_rewards(client: T
     assert value(samples, "items", task="math", state="ready") == 4
     assert value(samples, "reward_mean", task="math") == 0.5
     assert value(samples, "rewards_total", task="math") == 8
+    # A summary's sum and count: rate(sum) / rate(count) is a windowed mean in Prometheus.
+    assert value(samples, "reward_count", task="math") == 8
+    assert value(samples, "reward_sum", task="math") == pytest.approx(4.0)
+    assert value(samples, "reward_sum", task="other") == pytest.approx(5.0)
+    assert value(samples, "served_group_age_seconds_count", task="math") == 1  # one group read
+    assert value(samples, "served_group_age_seconds_sum", task="math") >= 0
 
     assert value(samples, "trajectories_written_total", task="other") == 6
     assert value(samples, "trajectories_delivered_total", task="other") == 0
@@ -110,6 +116,9 @@ def test_llm_metrics_come_from_the_progress_of_the_tasks_jobs(
     assert value(samples, "llm_request_latency_seconds_bucket", task="local", le="+Inf") == 4
     assert value(samples, "llm_request_latency_seconds_sum", task="local") > 0
     assert value(samples, "trajectories_written_total", task="local") == 4
+    assert value(samples, "llm_finish_reasons_total", task="local", reason="stop") == 4
+    assert value(samples, "llm_response_tokens_count", task="local") == 4
+    assert value(samples, "llm_response_tokens_sum", task="local") > 0
     assert ("rollout_buffer_generator_trajectories_per_second", (("task", "local"),)) not in samples
 
     client.post(f"/jobs/{waiting['job_id']}/cancel")
@@ -131,3 +140,14 @@ def test_progress_counts_requests_retries_and_latency_buckets() -> None:
     assert [buckets[le] for le in bounds] == [0, 2, 2, 3, 3]
     assert snapshot["latency_s_count"] == 3
     assert snapshot["latency_s_sum"] == pytest.approx(3.17)
+
+
+def test_progress_counts_finish_reasons_and_answer_lengths() -> None:
+    progress = Progress("t", total=3)
+    progress.record([Completion("a", "stop", usage={"completion_tokens": 7})])
+    # No usage: the ids count.
+    progress.record([Completion("b", "length", tokens=TokenCapture([9], [1, 2, 3]))])
+    progress.record([Completion("c", "length")])  # no length known: not in the mean
+    snapshot = progress.snapshot()
+    assert snapshot["finish_reasons"] == {"stop": 1, "length": 2}
+    assert (snapshot["response_tokens_count"], snapshot["response_tokens_sum"]) == (2, 10)

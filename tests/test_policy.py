@@ -303,10 +303,10 @@ async def test_the_simulator_aborts_in_flight_requests_on_pause_and_holds_new_on
         update = await sim.post("/update_weights_from_disk", json={"model_path": "/m", "weight_version": "7"})
         assert update.json()["success"]
         await sim.post("/continue_generation")
-        app.state.config.latency_mean_s = 0.0
+        app.state.simulator.config.latency_mean_s = 0.0
         answer = (await asyncio.wait_for(held, 5)).json()
     assert answer["metadata"]["weight_version"] == "7"
-    assert app.state.control.snapshot()["aborted"] == 1
+    assert app.state.simulator.control.snapshot()["aborted"] == 1
 
 
 def test_metrics_and_dashboard_show_lag_stale_shares_and_pauses(client: TestClient) -> None:

@@ -183,3 +183,25 @@ def test_two_folders_with_the_same_file_name_do_not_collide(tmp_path: Path) -> N
     a, b = registry_of(first).get("math"), registry_of(second).get("math2")
     assert a.module is not b.module
     assert a.module.__name__ != b.module.__name__
+
+
+def test_a_file_that_failed_to_import_is_retried_once_its_package_appears(
+    generator_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pip install requests` after the service started: the next scan loads the generator,
+    although the generator's own file was not touched."""
+    write_generator(
+        generator_dir,
+        "web_generator.py",
+        'import late_installed_package\nTASK_TYPE = "web"\n\ndef run_rollout(data):\n    return None\n',
+    )
+    registry = registry_of(generator_dir)
+    assert only_error(registry)["error"] == "ModuleNotFoundError: No module named 'late_installed_package'"
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "late_installed_package.py").write_text("")
+    monkeypatch.syspath_prepend(str(site))
+    registry.refresh()
+    assert registry.errors == []
+    assert list(registry.generators) == ["web"]
+    sys.modules.pop("late_installed_package", None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -142,6 +143,18 @@ async def test_a_trajectory_that_fails_is_written_with_the_failure_reward_and_co
         assert trajectory["messages"][-1] == {"role": "assistant", "content": ""}  # never null
         assert trajectory["extra_info"]["finish_reason"] == "error"
         assert "LLMError" in trajectory["extra_info"]["error"]
+
+
+@respx.mock
+async def test_a_run_whose_every_request_fails_logs_why_once(
+    tmp_path: Path, llm: ChatClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    respx.post(URL).mock(return_value=httpx.Response(503, text="engine is down"))
+    with caplog.at_level(logging.WARNING, logger="buffer.toolkit.runner"):
+        await run_rollouts(payload(tmp_path), reward=exact, sink=Collected(), llm=llm)
+    (record,) = [r for r in caplog.records if r.name == "buffer.toolkit.runner" and "failed" in r.message]
+    assert "LLMError" in record.getMessage()
+    assert "503" in record.getMessage()
 
 
 @respx.mock

@@ -391,3 +391,82 @@ async def test_a_trainer_and_a_generator_work_against_a_keyed_service_with_one_v
     async with AsyncRolloutBufferClient(url, transport=keyed_app, max_attempts=1) as trainer:
         batch = await trainer.get_rollout_data()
     assert [item["instance_id"] for item in batch.items] == ["q", "q"]
+
+
+# -- browsers on other origins ----------------------------------------------------------
+
+
+def written(client: TestClient) -> int:
+    return int(stats(client)["total_written"])
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "text/plain",
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+    ],
+)
+def test_a_body_not_sent_as_json_gets_415_and_writes_nothing(
+    make_client: Callable[..., TestClient], content_type: str
+) -> None:
+    # What a page can POST anywhere without asking first: a "simple" request, no CORS preflight.
+    client = make_client(group_size=2)
+    body = orjson.dumps(trajectory("q1"))
+    response = client.post("/buffer/write", content=body, headers={"content-type": content_type})
+    assert response.status_code == 415, response.text
+    assert "application/json" in response.json()["message"]
+    drain = client.post("/get_rollout_data", content=b"{}", headers={"content-type": content_type})
+    assert drain.status_code == 415
+    assert written(client) == 0
+
+
+def test_json_in_any_of_its_spellings_and_bodyless_posts_pass(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(group_size=2)
+    for content_type in ("application/json", "application/json; charset=utf-8", "Application/JSON"):
+        body = orjson.dumps(trajectory("q1"))
+        response = client.post("/buffer/write", content=body, headers={"content-type": content_type})
+        assert response.status_code == 200, response.text
+    # No content type at all is taken as JSON, as slime's FastAPI buffer takes it.
+    assert client.post("/buffer/write", content=orjson.dumps(trajectory("q2"))).status_code == 200
+    assert client.post("/get_rollout_data").status_code == 200
+    assert written(client) == 4
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"origin": "https://evil.example"},
+        {"origin": "null"},  # a sandboxed frame or a file:// page
+        {"origin": "http://testserver:8080"},  # another port of the same host: another origin
+        {"sec-fetch-site": "cross-site"},
+        {"sec-fetch-site": "same-site"},
+    ],
+)
+def test_a_browser_request_from_another_origin_gets_403_and_changes_nothing(
+    make_client: Callable[..., TestClient], headers: dict[str, str]
+) -> None:
+    client = make_client(group_size=2)
+    write_all(client, group("q1", [0.0, 1.0]))
+    response = client.post("/buffer/write", json=trajectory("q2"), headers=headers)
+    assert response.status_code == 403, response.text
+    assert "--allowed-origins" in response.json()["message"]
+    assert client.post("/get_rollout_data", json={}, headers=headers).status_code == 403
+    assert client.post("/start_rollout", json={"task_type": "x"}, headers=headers).status_code == 403
+    assert written(client) == 2
+    assert stats(client)["current_size"] == 2  # the ready group was not drained
+    assert client.get("/buffer/stats", headers=headers).status_code == 200  # reading is harmless
+
+
+def test_the_services_own_pages_and_allowed_origins_pass(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(group_size=2, allowed_origins=["https://lab.example:8443/"])
+    same = {"origin": "http://testserver", "sec-fetch-site": "same-origin"}
+    assert client.post("/buffer/write", json=trajectory("q1"), headers=same).status_code == 200
+    allowed = {"origin": "https://lab.example:8443", "sec-fetch-site": "cross-site"}
+    assert client.post("/buffer/write", json=trajectory("q1"), headers=allowed).status_code == 200
+    other = {"origin": "https://lab.example"}
+    assert client.post("/buffer/write", json=trajectory("q2"), headers=other).status_code == 403
+    anyone = make_client(group_size=2, allowed_origins=["*"])
+    assert anyone.post("/buffer/write", json=trajectory("q3"), headers=other).status_code == 200

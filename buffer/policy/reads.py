@@ -52,32 +52,48 @@ def drop(task: TaskBuffer, seqs: list[int]) -> None:
     task.ready.extend(kept)
 
 
-def take_mixed(
-    tasks: Mapping[str, TaskBuffer], weights: Mapping[str, float], max_items: int, policy: Policy
+def choose_mixed(
+    tasks: Mapping[str, TaskBuffer],
+    weights: Mapping[str, float],
+    max_items: int,
+    policy: Policy,
+    one_group_per_instance: bool,
 ) -> tuple[list[ReadyGroup], dict[str, Any]]:
-    """Groups for one mixed read of at most ``max_items`` items (at least one group), each
-    task's share by largest remainder over the run, short tasks made up by the others."""
+    """The groups one mixed read of at most ``max_items`` items takes (at least one group),
+    left in place: each task's share by largest remainder over the run, a short task made up
+    by the others. With ``one_group_per_instance``, a later group of an instance already
+    chosen waits for the next read, as in an unmixed read."""
     sizes = [task.settings.group_size for task in tasks.values()] or [1]
     total = max(1, max_items // max(1, min(sizes)))
+    eligible: dict[str, list[ReadyGroup]] = {}
+    seen: set[Any] = set()
+    for name, task in tasks.items():
+        eligible[name] = []
+        for group in task.ready:
+            if one_group_per_instance and group.instance_id in seen:
+                continue
+            seen.add(group.instance_id)
+            eligible[name].append(group)
     served = {name: policy.served_groups.get(name, 0) for name in tasks}
     quota = allocate(weights, served, total)
     requested = dict(quota)
-    available = {name: len(task.ready) for name, task in tasks.items()}
+    available = {name: len(groups) for name, groups in eligible.items()}
     short = fill_shortfall(quota, available, weights)
-    groups: list[ReadyGroup] = []
+    chosen: list[ReadyGroup] = []
     taken = 0
     returned: dict[str, int] = dict.fromkeys(tasks, 0)
     # Round-robin across tasks so a batch cut short by max_items still holds every share.
     progress = True
     while progress:
         progress = False
-        for name, task in tasks.items():
-            if returned[name] >= quota[name] or not task.ready:
+        for name in tasks:
+            if returned[name] >= quota.get(name, 0) or returned[name] >= len(eligible[name]):
                 continue
-            size = len(task.ready[0].items)
-            if groups and taken + size > max_items:
+            group = eligible[name][returned[name]]
+            size = len(group.items)
+            if chosen and taken + size > max_items:
                 continue
-            groups.append(task.pop_ready())
+            chosen.append(group)
             taken += size
             returned[name] += 1
             progress = True
@@ -87,4 +103,4 @@ def take_mixed(
         meta["message"] = "made up by other tasks: " + ", ".join(
             f"{name} had {available.get(name, 0)} of {requested[name]}" for name in sorted(short)
         )
-    return groups, meta
+    return chosen, meta

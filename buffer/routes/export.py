@@ -35,7 +35,7 @@ async def export(
     if journal is None:
         raise NeedsDataDir("export")
     lines = export_log.read(
-        journal.delivered_dir,
+        journal.database,
         since.timestamp() if since else None,
         until.timestamp() if until else None,
         task_type,

@@ -10,9 +10,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from buffer.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE
-from buffer.models import GetRolloutDataRequest, StartRolloutRequest
+from buffer.models import GetRolloutDataRequest, StartRolloutRequest, check_storable
 from buffer.policy.fields import check_start_fields
 from buffer.policy.state import register_policy, set_current_policy
+from buffer.registry import Generator
 from buffer.responses import items_response, json_response
 from buffer.services import Services, local_url, services
 from buffer.task import TaskSettings
@@ -27,13 +28,19 @@ async def start_rollout(body: StartRolloutRequest, svc: Annotated[Services, Depe
     A task already running answers with its running job unless the payload says
     ``"restart": true``.
     """
+    check_storable(body)  # before anything starts: the job's data is journaled as it came
     await asyncio.to_thread(svc.registry.refresh)  # pick up new and edited generator files
     generator = svc.registry.get(body.task_type)
     check_start_fields(body.model_extra or {}, generator.module, _toolkit_fields())
     name = body.rollout_name or body.task_type
+    async with svc.jobs.lock(name):
+        return await _start(body, generator, name, svc)
+
+
+async def _start(body: StartRolloutRequest, generator: Generator, name: str, svc: Services) -> Response:
     running = svc.jobs.running(name)
     if running is None or body.restart:
-        settings = _task_settings(body, svc.settings.default_task_settings())
+        settings = body.task_settings(svc.settings.default_task_settings())
         data = await svc.jobs.check(_generator_data(body, name, settings, local_url(svc.settings)))
         if running is not None:
             await svc.jobs.cancel(running.id)
@@ -79,19 +86,6 @@ def _start_admission(svc: Services, name: str, settings: TaskSettings, body: Sta
     )
 
 
-def _task_settings(body: StartRolloutRequest, defaults: TaskSettings) -> TaskSettings:
-    return TaskSettings(
-        group_size=body.num_repeat_per_sample or defaults.group_size,
-        group_timeout_s=body.group_timeout_seconds or defaults.group_timeout_s,
-        min_valid_group_size_ratio=body.min_valid_group_size_ratio,
-        min_valid_item_size_ratio=body.min_valid_item_size_ratio,
-        min_timeout_group_size_ratio=body.min_timeout_group_size_ratio,
-        reward_key=body.reward_key,
-        max_staleness=body.max_staleness,
-        weight=body.weight,
-    )
-
-
 def _generator_data(
     body: StartRolloutRequest, name: str, settings: TaskSettings, buffer_url: str
 ) -> dict[str, Any]:
@@ -120,6 +114,7 @@ async def get_rollout_data(
 ) -> Response:
     """Take ready groups, whole and oldest first. Nothing ready is a 200 with ``success: false``."""
     body = body or GetRolloutDataRequest()
+    check_storable(body)
     svc.check_task(body.task_type)
     for task_type in body.mix or ():
         svc.check_task(task_type)

@@ -22,15 +22,25 @@ async def root() -> Response:
 
 @router.get("/health")
 async def health(svc: Annotated[Services, Depends(services)]) -> Response:
-    return json_response(
-        {
-            "status": "ok",
-            "version": __version__,
-            "tasks": svc.buffer.task_types(),
-            "generators": sorted(svc.registry.generators),
-            "generator_errors": len(svc.registry.errors),
-        }
-    )
+    """``ok``, or 503 with why: the data folder cannot be written (a full disk); the service
+    takes writes and reads again, by itself, once it can."""
+    body = {
+        "status": "ok",
+        "version": __version__,
+        "tasks": svc.buffer.task_types(),
+        "generators": sorted(svc.registry.generators),
+        "generator_errors": len(svc.registry.errors),
+    }
+    journal = svc.buffer.journal
+    if journal is None:
+        return json_response(body)
+    failure = journal.failing
+    body["storage"] = journal.counters()
+    if failure is not None:
+        body["status"] = "storage_failed"
+        body["reason"] = f"the buffer cannot write to its data folder: {failure.strerror or failure}"
+        return json_response(body, status_code=503)
+    return json_response(body)
 
 
 @router.get("/generators")

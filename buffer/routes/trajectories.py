@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from buffer import encoding
-from buffer.models import ReadRequest
+from buffer.models import ReadRequest, check_storable
 from buffer.registry import where_in
 from buffer.responses import envelope, items_response
 from buffer.services import Services, services
@@ -22,6 +22,7 @@ async def read(
     request: Request, svc: Annotated[Services, Depends(services)], body: Annotated[ReadRequest, Body()]
 ) -> Response:
     """slime's older read: with ``wait``, wait up to ``timeout`` s for ``batch_size`` items."""
+    check_storable(body)
     svc.check_task(body.task_type)
     limit = None if body.batch_size == -1 else body.batch_size
     if (

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from buffer import storable
 from buffer.errors import InvalidInput
 from buffer.models import TRAJECTORIES, TRAJECTORY, TRAJECTORY_BATCH, parse_json
 from buffer.responses import envelope
@@ -22,7 +23,9 @@ from buffer.services import Services
 async def write(request: Request) -> Response:
     """Buffer one trajectory. A retried write (same ``uid``) is accepted and counted once."""
     svc: Services = request.app.state.services
-    trajectory = parse_json(TRAJECTORY, await request.body())
+    body = await request.body()
+    trajectory = parse_json(TRAJECTORY, body)
+    _check_finite(body, trajectory)
     result = svc.buffer.write(trajectory)
     await svc.buffer.wait_durable()
     message = (
@@ -40,9 +43,12 @@ async def write_batch(request: Request) -> Response:
     svc: Services = request.app.state.services
     body = await request.body()
     if body.lstrip()[:1] == b"{":
-        items: list[Any] = parse_json(TRAJECTORY_BATCH, body)["trajectories"]
+        batch = parse_json(TRAJECTORY_BATCH, body)
+        _check_finite(body, batch)
+        items: list[Any] = batch["trajectories"]
     elif body.lstrip()[:1] == b"[":
         items = parse_json(TRAJECTORIES, body)
+        _check_finite(body, items)
     else:
         raise InvalidInput.one("body", 'must be a list of trajectories or {"trajectories": [...]}')
     results = svc.buffer.write_many(items)
@@ -56,6 +62,18 @@ async def write_batch(request: Request) -> Response:
     )
 
 
+def _check_finite(body: bytes, parsed: Any) -> None:
+    """Refuse ``Infinity`` and ``NaN`` anywhere in a trajectory (the parser takes them; the
+    store would keep them as null), naming the field. Looked for only when the bytes hold one:
+    a scan of the body costs far less than a walk of what it parsed to, and a scan for one
+    byte (``memchr``) less again than one for a word, so the words are looked for only after
+    their first letters."""
+    if (b"I" in body and b"Infinity" in body) or (b"N" in body and b"NaN" in body):
+        path = storable.non_finite_at(parsed)
+        if path is not None:
+            raise InvalidInput.one(storable.field_name(path), "must be a finite number")
+
+
 ROUTES = [
     Route("/buffer/write", write, methods=["POST"]),
     Route("/buffer/write_batch", write_batch, methods=["POST"]),
@@ -64,7 +82,8 @@ ROUTES = [
 _TRAJECTORY = {"$ref": "#/components/schemas/Trajectory"}
 _ANSWER = {
     "200": {"description": "written (or a duplicate, accepted); with --data-dir, on disk"},
-    "413": {"description": "larger than --max-request-bytes"},
+    "413": {"description": "larger than --max-request-bytes, or a batch larger than the buffer's limit"},
+    "415": {"description": "not sent as Content-Type: application/json"},
     "422": {"description": "invalid"},
     "429": {"description": "the buffer is full (--max-buffered-trajectories); retry after Retry-After"},
     "503": {"description": "the data folder cannot be written"},

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Sequence
 
 import uvicorn
@@ -11,6 +13,7 @@ from pydantic_settings import CliApp
 from buffer.simulator.app import create_sim_app
 from buffer.simulator.config import SimConfig
 from buffer.simulator.outage import QuietDroppedConnections
+from buffer.simulator.tokenizer import MissingExtraError
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +34,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = ", ".join(
         f"{name}={value}" for name, value in config.model_dump(exclude={"host", "port"}).items()
     )
+    # transformers advises at import that it has no torch: the simulator needs none.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    try:
+        app = create_sim_app(config)
+    except MissingExtraError as exc:
+        sys.exit(f"python -m buffer.simulator: {exc}")
     logger.info("simulated LLM server on http://%s:%d/v1 (%s)", config.host, config.port, settings)
     uvicorn.run(
-        create_sim_app(config),
+        app,
         host=config.host,
         port=config.port,
         log_level=config.log_level,

@@ -10,6 +10,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, CliImplicitFlag, SettingsConfigDict
 
 LatencyDistribution = Literal["fixed", "uniform", "exponential", "lognormal"]
+Engine = Literal["vllm", "sglang"]
 
 
 class SimConfig(BaseSettings):
@@ -28,6 +29,19 @@ class SimConfig(BaseSettings):
 
     host: str = Field(default="127.0.0.1", description="interface to listen on")
     port: int = Field(default=30000, ge=1, le=65535, description="port to listen on (SGLang's default)")
+    engine: Engine = Field(
+        default="sglang",
+        description="the engine imitated: where token ids and logprobs go, its errors (vllm: 404 for "
+        "an unknown model)",
+    )
+    tokenizer_path: str | None = Field(
+        default=None, description="a tokenizer directory (save_pretrained); default: the built-in one"
+    )
+    chat_template: Literal["chatml", "thinking"] = Field(
+        default="chatml",
+        description="the built-in tokenizer's template: ChatML (Qwen2.5-style) or thinking (Qwen3-style)",
+    )
+    weight_version: str = Field(default="default", description="the weight version SGLang reports")
     served_model_name: str = Field(
         default="sim-model", description="the one model /v1/models lists and completions report"
     )

@@ -1,30 +1,31 @@
-"""SGLang's weight-update controls, simulated: pause, continue, update weights, weight version.
+"""SGLang's weight-update controls, simulated: pause, continue, update weights from disk.
 
 - ``POST /pause_generation {"mode": "abort" | "in_place" | "retract"}``: requests arriving
   while paused wait for ``/continue_generation``; with ``abort`` (SGLang's default) every
-  request in flight is answered at once with ``finish_reason: "abort"`` and the tokens so far
-  (none, here), as SGLang aborts them.
+  request in flight is answered at once with ``finish_reason: "abort"`` and the tokens it had
+  so far, as SGLang aborts them.
 - ``POST /continue_generation``: requests go on.
-- ``POST /update_weights_from_disk {"model_path", "weight_version"?}``: the weight version
-  becomes the one given, else the next integer; ``abort_all_requests`` aborts what is in flight.
-- Every chat completion reports ``metadata.weight_version`` (SGLang's field) as of its end;
-  ``GET /get_weight_version`` answers it.
+- ``POST /update_weights_from_disk {"model_path", "weight_version"?, "abort_all_requests"?}``:
+  the reported weight version becomes the one given, else the next integer.
+- ``GET /get_weight_version`` answers it; ``GET /control`` the pause state and counters.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-import uuid
-from collections.abc import Awaitable
+import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
-Answer = tuple[int, dict[str, Any], dict[str, str] | None]
+if TYPE_CHECKING:
+    from buffer.simulator.app import Simulator
+
+_A = TypeVar("_A")
 
 
 class PauseBody(BaseModel):
@@ -43,12 +44,13 @@ class UpdateWeightsBody(BaseModel):
 
 @dataclass(slots=True)
 class Control:
-    """The simulator's pause state and weight version."""
+    """The simulator's pause state; the weight version is the simulator's own."""
 
-    weight_version: str = "0"
     paused: bool = False
-    aborted: int = 0
     pauses: int = 0
+    aborted: int = 0
+    #: True while an aborted request's answer is composed again, cut short (``recompose``).
+    aborting: bool = False
     _resumed: asyncio.Event = field(default_factory=asyncio.Event)
     _abort: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -70,86 +72,63 @@ class Control:
         self._abort.set()
         self._abort = asyncio.Event()
 
-    async def run(self, answer: Awaitable[Answer], model: str) -> Answer:
-        """``answer`` once the server is not paused, or an abort if one comes first; stamped
-        with the weight version."""
+    async def hold(self) -> None:
+        """Wait while paused."""
         await self._resumed.wait()
+
+    async def sleep(self, seconds: float) -> bool:
+        """Sleep through a request's latency; True if a pause aborted it first."""
         abort = self._abort
-        work = asyncio.ensure_future(answer)
         aborted = asyncio.ensure_future(abort.wait())
         try:
-            await asyncio.wait({work, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({aborted}, timeout=seconds)
         finally:
             aborted.cancel()
-        if not work.done():
-            work.cancel()
+        if done:
             self.aborted += 1
-            return 200, self._aborted_body(model), None
-        status, body, headers = work.result()
-        if status == 200:
-            body["metadata"] = {**body.get("metadata", {}), "weight_version": self.weight_version}
-        return status, body, headers
+        return bool(done)
 
-    def _aborted_body(self, model: str) -> dict[str, Any]:
-        message = {"role": "assistant", "content": ""}
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": "abort", "logprobs": None}],
-            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-            "metadata": {"weight_version": self.weight_version},
-        }
+    def recompose(self, prepare: Callable[[random.Random], _A], rng: random.Random) -> _A:
+        """The answer again, every choice aborted part way (its tokens so far)."""
+        self.aborting = True
+        try:
+            return prepare(rng)
+        finally:
+            self.aborting = False
 
     def snapshot(self) -> dict[str, Any]:
-        return {
-            "weight_version": self.weight_version,
-            "paused": self.paused,
-            "pauses": self.pauses,
-            "aborted": self.aborted,
-        }
+        return {"paused": self.paused, "pauses": self.pauses, "aborted": self.aborted}
 
 
-def install_control(app: FastAPI, json_response: Any) -> Control:
-    """Add the control routes to the simulator ``app``; returns their state."""
-    control = Control()
-    app.state.control = control
+def install_control(app: FastAPI, sim: Simulator) -> None:
+    """Add the control routes to the simulator ``app``."""
+    control = sim.control
 
     @app.post("/pause_generation")
     async def pause_generation(body: PauseBody | None = None) -> Response:
         control.pause((body or PauseBody()).mode)
-        response: Response = json_response({"success": True, "message": "Generation paused"})
-        return response
+        return JSONResponse({"success": True, "message": "Generation paused"})
 
     @app.post("/continue_generation")
     async def continue_generation() -> Response:
         control.resume()
-        response: Response = json_response({"success": True, "message": "Generation continued"})
-        return response
+        return JSONResponse({"success": True, "message": "Generation continued"})
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsBody) -> Response:
         if body.abort_all_requests:
             control.abort_all()
-        if body.weight_version is not None:
-            control.weight_version = body.weight_version
-        else:
-            current = control.weight_version
-            control.weight_version = str(int(current) + 1) if current.isdigit() else "1"
-        response: Response = json_response(
+        current = str(sim.weight_version)
+        new = body.weight_version or (str(int(current) + 1) if current.isdigit() else "1")
+        sim.weight_version = new
+        return JSONResponse(
             {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
         )
-        return response
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> Response:
-        response: Response = json_response({"weight_version": control.weight_version})
-        return response
+        return JSONResponse({"weight_version": sim.weight_version})
 
     @app.get("/control")
     async def get_control() -> Response:
-        response: Response = json_response(control.snapshot())
-        return response
-
-    return control
+        return JSONResponse({**control.snapshot(), "weight_version": sim.weight_version})

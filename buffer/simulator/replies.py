@@ -1,10 +1,7 @@
-"""What the simulated model says: a draft reply, then cut at ``max_tokens`` or by an abort.
+"""What the simulated model says, as token ids: a draft reply, then cut by a stop, ``max_tokens`` or an abort.
 
-A *token* is a whitespace-separated word together with the whitespace before it: joining the
-tokens of a text gives the text back, ``usage`` counts words, and ``max_tokens=5`` keeps five words.
-Each message of the prompt costs its words plus ``MESSAGE_OVERHEAD_TOKENS``.
-
-The draft, from the conversation after its last user message:
+The draft, from the conversation after its last user message (raw output text, as the model
+writes it: a ``<think>`` block first when thinking, a tool call as Hermes' ``<tool_call>`` block):
 
 - a ``tool`` message there: the answer is the (last) tool result, in ``\\boxed{}``;
 - else an arithmetic question in the last user message, and a usable tool (one named
@@ -14,25 +11,29 @@ The draft, from the conversation after its last user message:
   ``accuracy`` and otherwise off by 1 to 3 (every step shown stays right except the last);
 - else a short generic text.
 
-``continue_final_message`` with a final assistant message drafts the reply to the messages before
-it and returns what follows as many tokens as that message has. ``max_tokens`` then cuts the text
-(``finish_reason`` "length"); an abort cuts it again, at a random token (``"abort"``, partial text).
-A tool call is never cut at ``max_tokens``; an abort drops it (content ``""``).
+The output ids are the tokenizer's ids of the draft, then the end-of-turn token. They are cut at
+the first ``stop`` string or stop token id (``finish_reason`` "stop"), then at ``max_tokens``
+("length"), then, with probability ``abort_rate``, at a random token ("abort", no end-of-turn).
+Each output id gets a made-up logprob (finite, <= 0), drawn from the reply's generator.
+
+A prompt that ends inside an assistant reply is continued: of every draft the model could give
+here, the first whose ids (else text) begin with the reply so far goes on from there, so an
+aborted reply continued from its tokens ends as the uninterrupted one would have; a reply so far
+that no draft begins with gets a closing line with the answer.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from buffer.simulator.arithmetic import find_question, format_number
-from buffer.simulator.protocol import ChatMessage, ChatRequest, ToolSpec
+from buffer.simulator.conversation import SimMessage
+from buffer.simulator.model import SimModel
 
-MESSAGE_OVERHEAD_TOKENS = 3
 WRONG_OFFSETS = (-3, -2, -1, 1, 2, 3)
 GENERIC_REPLIES = (
     "I am a simulated language model without any knowledge. Ask me an arithmetic question, "
@@ -43,134 +44,177 @@ GENERIC_REPLIES = (
     "from the simulated model. Try asking for 6 * 7 instead.",
 )
 
-_TOKEN = re.compile(r"\s*\S+")
-
-
-def tokenize(text: str) -> list[str]:
-    return _TOKEN.findall(text)
-
-
-def count_prompt_tokens(messages: Sequence[ChatMessage]) -> int:
-    return sum(len(tokenize(message.text())) + MESSAGE_OVERHEAD_TOKENS for message in messages)
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON, as OpenAI sends it
-
 
 @dataclass(frozen=True, slots=True)
 class Draft:
-    text: str
+    text: str  # the raw output, without the end-of-turn token
     answer: str | None = None
-    tool_call: ToolCall | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class Choice:
-    """One finished choice; ``tokens`` are the generated ones (a tool call's: its arguments)."""
+class ReplyPlan:
+    """Every reply the model may give to a conversation; ``draw`` picks one."""
 
-    content: str | None
-    finish_reason: str  # stop, length, abort, tool_calls
-    tokens: tuple[str, ...]
-    tool_call: ToolCall | None = None
+    options: tuple[Draft, ...]
+    arithmetic: bool = False  # options[0] is right, the others wrong
+
+    def draw(self, rng: random.Random, accuracy: float) -> Draft:
+        if len(self.options) == 1:
+            return self.options[0]
+        if self.arithmetic:
+            return self.options[0] if rng.random() < accuracy else rng.choice(self.options[1:])
+        return rng.choice(self.options)
 
 
-def complete(
-    request: ChatRequest,
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What ends a generation early, from the request."""
+
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One choice: the ids the model sampled, their logprobs, and why it stopped."""
+
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # stop, length, abort
+    matched_stop: int | str | None = None  # the end-of-turn or stop token id, or the stop string
+    stop_at: int | None = None  # where a matched stop string starts in the decoded text
+
+
+def plan_reply(
+    messages: Sequence[SimMessage], tools: Sequence[dict[str, Any]], tool_choice: Any, thinking: bool
+) -> ReplyPlan:
+    """The replies to ``messages`` (see the module docstring)."""
+    last_user = max((i for i, message in enumerate(messages) if message.role == "user"), default=-1)
+    tool_results = [message for message in messages[last_user + 1 :] if message.role == "tool"]
+    if tool_results:
+        result = tool_results[-1].text.strip()
+        return ReplyPlan(
+            (
+                _draft(
+                    thinking, f"The tool returned {result}.", f"So the answer is \\boxed{{{result}}}.", result
+                ),
+            )
+        )
+    solution = find_question(messages[last_user].text) if last_user >= 0 else None
+    if solution is None:
+        thought = "Nothing here looks like arithmetic."
+        return ReplyPlan(tuple(_draft(thinking, thought, reply) for reply in GENERIC_REPLIES))
+    tool = None if tool_choice == "none" else _usable_tool(tools)
+    if tool is not None:
+        name, parameter = tool
+        call = json.dumps({"name": name, "arguments": {parameter: solution.expression}})
+        thought = f"I need the {name} tool for {solution.expression}."
+        return ReplyPlan((_draft(thinking, thought, f"<tool_call>\n{call}\n</tool_call>"),))
+    drafts = []
+    for offset in (0, *WRONG_OFFSETS):
+        answer = format_number(solution.value + offset)
+        steps = [*solution.steps[:-1], f"{solution.steps[-1].rpartition(' = ')[0]} = {answer}"]
+        work = "Let me work this out step by step.\n" + "\n".join(steps)
+        final = f"So the answer is \\boxed{{{answer}}}."
+        drafts.append(
+            _draft(thinking, work, final, answer) if thinking else Draft(f"{work}\n{final}", answer)
+        )
+    return ReplyPlan(tuple(drafts), arithmetic=True)
+
+
+def generate(
+    model: SimModel,
+    plan: ReplyPlan,
+    limits: Limits,
     accuracy: float,
     abort_rate: float,
     reply_rng: random.Random,
     fault_rng: random.Random,
-) -> Choice:
-    """One choice for ``request``. The reply is drawn from ``reply_rng``, aborts from ``fault_rng``."""
-    messages = list(request.messages)
-    prefix = None
-    if request.continue_final_message and messages[-1].role == "assistant":
-        prefix = messages.pop().text()
-    draft = draft_reply(messages, request, reply_rng, accuracy)
+    partial_ids: Sequence[int] | None = None,
+    partial_text: str | None = None,
+    logprobs: bool = True,
+) -> Generation:
+    """One choice (see the module docstring): the reply from ``reply_rng``, aborts from ``fault_rng``.
+
+    Logprobs are drawn only when asked for (else ``[]``), so a server seeded with ``--seed`` gives
+    the same sequence of replies to requests that do not ask as it did before they existed."""
+    draft = plan.draw(reply_rng, accuracy)
     aborted = fault_rng.random() < abort_rate
-    if draft.tool_call is not None and prefix is None:
-        if aborted:  # nothing parseable yet
-            return Choice("", "abort", ())
-        return Choice(None, "tool_calls", tuple(tokenize(draft.tool_call.arguments)), draft.tool_call)
-    tokens = tokenize(draft.text)
-    if prefix is not None:
-        tokens = _continuation(prefix, tokens, draft.answer)
+    if partial_text:
+        ids = _continuation(model, plan, draft, partial_ids or (), partial_text)
+    else:
+        ids = [*model.encode(draft.text), model.eos_id]
     finish_reason = "stop"
-    limit = request.token_limit
-    if limit is not None and len(tokens) > limit:
-        tokens, finish_reason = tokens[:limit], "length"
+    matched: int | str | None = None
+    stop_at: int | None = None
+    if ids and ids[-1] == model.eos_id:
+        matched = model.eos_id
+    cut = _first_stop(model, ids, limits)
+    if cut is not None:
+        ids, matched, stop_at = ids[: cut[0]], cut[1], cut[2]
+    if limits.max_tokens is not None and len(ids) > limits.max_tokens:
+        ids, finish_reason, matched, stop_at = ids[: limits.max_tokens], "length", None, None
     if aborted:
-        cut = fault_rng.randint(1, len(tokens) - 1) if len(tokens) > 1 else 0
-        tokens, finish_reason = tokens[:cut], "abort"
-    return Choice("".join(tokens), finish_reason, tuple(tokens))
+        body = ids[:-1] if ids and ids[-1] == model.eos_id else ids
+        end = fault_rng.randint(1, len(body) - 1) if len(body) > 1 else 0
+        ids, finish_reason, matched, stop_at = body[:end], "abort", None, None
+    drawn = [-round(reply_rng.expovariate(4.0), 4) for _ in ids] if logprobs else []
+    return Generation(ids, drawn, finish_reason, matched, stop_at)
 
 
-def draft_reply(
-    messages: Sequence[ChatMessage], request: ChatRequest, rng: random.Random, accuracy: float
-) -> Draft:
-    """The whole reply the model would give to ``messages`` (see the module docstring)."""
-    last_user = max((i for i, message in enumerate(messages) if message.role == "user"), default=-1)
-    tool_results = [message for message in messages[last_user + 1 :] if message.role == "tool"]
-    if tool_results:
-        result = tool_results[-1].text().strip()
-        return Draft(f"The tool returned {result}.\nSo the answer is \\boxed{{{result}}}.", answer=result)
-    solution = find_question(messages[last_user].text()) if last_user >= 0 else None
-    if solution is None:
-        return Draft(rng.choice(GENERIC_REPLIES))
-    tool = None if request.tool_choice == "none" else _usable_tool(request.tools or [])
-    if tool is not None:
-        name, parameter = tool
-        call_id = f"call_{rng.getrandbits(64):016x}"
-        return Draft("", tool_call=ToolCall(call_id, name, json.dumps({parameter: solution.expression})))
-    value = solution.value if rng.random() < accuracy else solution.value + rng.choice(WRONG_OFFSETS)
-    answer = format_number(value)
-    steps = [*solution.steps[:-1], f"{solution.steps[-1].rpartition(' = ')[0]} = {answer}"]
-    text = (
-        "Let me work this out step by step.\n" + "\n".join(steps) + f"\nSo the answer is \\boxed{{{answer}}}."
-    )
-    return Draft(text, answer=answer)
+def _draft(thinking: bool, thought: str, reply: str, answer: str | None = None) -> Draft:
+    return Draft(f"<think>\n{thought}\n</think>\n\n{reply}" if thinking else reply, answer)
 
 
-def fake_logprobs(tokens: Sequence[str], top_logprobs: int, rng: random.Random) -> dict[str, Any]:
-    """Well-formed ``choices[i].logprobs``: one entry per token, made-up numbers."""
-    content = []
-    for token in tokens:
-        logprob = -round(rng.expovariate(4.0), 4)
-        top = [{"token": token, "logprob": logprob, "bytes": list(token.encode())}]
-        for rank in range(1, top_logprobs):
-            alternative = f" <alt{rank}>"
-            top.append({"token": alternative, "logprob": logprob - rank, "bytes": list(alternative.encode())})
-        content.append({**top[0], "top_logprobs": top[:top_logprobs]})
-    return {"content": content, "refusal": None}
+def _continuation(
+    model: SimModel, plan: ReplyPlan, draft: Draft, partial_ids: Sequence[int], partial_text: str
+) -> list[int]:
+    """The rest of the reply that begins with ``partial_text`` (see the module docstring)."""
+    for option in (draft, *plan.options):
+        if not option.text.startswith(partial_text):
+            continue
+        ids = model.encode(option.text)
+        if partial_ids and list(ids[: len(partial_ids)]) == list(partial_ids):
+            return [*ids[len(partial_ids) :], model.eos_id]
+        return [*model.encode(option.text[len(partial_text) :]), model.eos_id]
+    if draft.answer is None or "\\boxed{" in partial_text:
+        return [model.eos_id]
+    return [*model.encode(f"\nSo the answer is \\boxed{{{draft.answer}}}."), model.eos_id]
 
 
-def _continuation(prefix: str, tokens: list[str], answer: str | None) -> list[str]:
-    """The rest of the draft after as many tokens as ``prefix`` has; a closing line if none is left."""
-    done = len(tokenize(prefix))
-    if done < len(tokens):
-        return tokens[done:]
-    if answer is None or "\\boxed{" in prefix:
-        return []
-    return tokenize(f"\nSo the answer is \\boxed{{{answer}}}.")
+def _first_stop(model: SimModel, ids: list[int], limits: Limits) -> tuple[int, int | str, int | None] | None:
+    """(ids kept, what matched, where a stop string starts) for the first stop in ``ids``; else None."""
+    if not limits.stop and not limits.stop_token_ids:
+        return None
+    text = ""
+    for index, token in enumerate(ids):
+        if token in limits.stop_token_ids:
+            return index + 1, token, None
+        if token == model.eos_id:
+            return None
+        text += model.token_text[token]
+        for stop in limits.stop:
+            position = text.find(stop)
+            if position >= 0:
+                return index + 1, stop, position
+    return None
 
 
-def _usable_tool(tools: Sequence[ToolSpec]) -> tuple[str, str] | None:
+def _usable_tool(tools: Sequence[dict[str, Any]]) -> tuple[str, str] | None:
     """(name, string parameter) of the first tool the model can call with an expression."""
     for tool in tools:
-        if tool.type != "function":
+        function = tool.get("function")
+        if tool.get("type", "function") != "function" or not isinstance(function, dict):
             continue
-        properties = (tool.function.parameters or {}).get("properties") or {}
+        properties = (function.get("parameters") or {}).get("properties") or {}
         strings = [
             name
             for name, schema in properties.items()
             if isinstance(schema, dict) and schema.get("type") == "string"
         ]
         if len(properties) == 1 and strings:
-            return tool.function.name, strings[0]
-        if tool.function.name == "calculator":
-            return tool.function.name, strings[0] if strings else "expression"
+            return str(function.get("name")), strings[0]
+        if function.get("name") == "calculator":
+            return "calculator", strings[0] if strings else "expression"
     return None

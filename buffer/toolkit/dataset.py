@@ -152,9 +152,18 @@ class Plan:
     shuffle: bool = True
     skip_instance_ids: Iterable[Any] = ()
     resume: ResumePoint | None = None
+    #: (index, count): run only every ``count``-th group from the ``index``-th, the share of
+    #: one of a job's ``count`` worker processes; every worker computes the same order.
+    share: tuple[int, int] = (0, 1)
 
     def _groups(self) -> Iterator[tuple[int, dict[str, Any], Sequence[int]]]:
-        """Each group to run: its epoch, its row, its repeats."""
+        """Each group to run (this worker's share of them): its epoch, its row, its repeats."""
+        index, count = self.share
+        for position, group in enumerate(self._all_groups()):
+            if position % count == index:
+                yield group
+
+    def _all_groups(self) -> Iterator[tuple[int, dict[str, Any], Sequence[int]]]:
         # Ids may come back from the trainer as strings: match on the text.
         skips = Counter(str(instance_id) for instance_id in self.skip_instance_ids)
         progress = self.resume or ResumePoint()

@@ -1,11 +1,11 @@
 """The chat client for the policy server: SGLang, vLLM, or ``buffer.simulator``.
 
-It speaks the OpenAI Chat Completions protocol over one shared ``httpx.AsyncClient`` whose
-transport is aiohttp's (``httpx-aiohttp``). httpx's own connection pool collapses at the
-hundreds of concurrent requests a generator keeps in flight (encode/httpx#3215; measured
-here: 64 requests of 0.2 s over reused connections take 2.5 s, 0.26 s with aiohttp), and
-the ``openai`` package rides on the same pool. SGLang's extensions are plain JSON fields
-anyway. Tests pass ``transport=httpx.AsyncHTTPTransport()``, which respx intercepts.
+It speaks the OpenAI Chat Completions protocol over aiohttp, called directly (``transport``):
+httpx over aiohttp cost two thirds of the service's busy time, and httpx's own pool collapses at
+the hundreds of concurrent requests a generator keeps in flight (encode/httpx#3215). SGLang's
+extensions are plain JSON fields anyway. Tests pass ``transport=httpx.AsyncHTTPTransport()``,
+which respx intercepts. Several engine URLs make a pool (``pool``): least in flight, a group's
+samples on one engine, dead engines taken out.
 
 Two kinds of failure are handled here, so generators never see them:
 
@@ -31,18 +31,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
 import httpx
 import orjson
-from httpx_aiohttp import AiohttpTransport
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
     retry_if_exception,
-    stop_after_attempt,
     stop_before_delay,
     wait_random_exponential,
 )
@@ -56,6 +54,15 @@ from buffer.toolkit.engines import (
     chat_continue_fields,
     chat_tokens,
     error_message,
+)
+from buffer.toolkit.pool import EnginePool, routing_key
+from buffer.toolkit.transport import (
+    ROUTING_KEY_HEADER,
+    AiohttpTransport,
+    HttpxTransport,
+    Reply,
+    Transport,
+    Unreachable,
 )
 from buffer.toolkit.types import Completion, Message, TokenCapture
 
@@ -76,9 +83,9 @@ class LLMError(Exception):
 
 
 class _RetryableStatus(Exception):
-    def __init__(self, response: httpx.Response) -> None:
-        super().__init__(f"HTTP {response.status_code}: {response.text[:300]}")
-        self.retry_after_s = _retry_after_s(response)
+    def __init__(self, reply: Reply) -> None:
+        super().__init__(f"HTTP {reply.status}: {reply.text[:300]}")
+        self.retry_after_s = _retry_after_s(reply.retry_after)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +154,13 @@ def engine_root_url(url: str) -> str:
 
 
 class EngineClient:
-    """One shared HTTP client to the policy server, with retries and counting: what the chat
-    client and the token client (``tito.TokenClient``) have in common."""
+    """One shared HTTP client to the policy server(s), with retries and counting: what the chat
+    client and the token client (``tito.TokenClient``) have in common.
+
+    ``transport`` replaces the aiohttp session: a ``transport.Transport``, or any
+    ``httpx.AsyncBaseTransport`` (tests: respx, an ASGI app). Several engine URLs make a pool
+    (``pool.EnginePool``); each request carries the task's routing key (``pool.routing_key``),
+    in the SGLang router's header too."""
 
     def __init__(
         self,
@@ -158,7 +170,8 @@ class EngineClient:
         timeout_s: float = 600.0,
         retry: RetryPolicy | None = None,
         continuation: ContinuePolicy | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: httpx.AsyncBaseTransport | Transport | None = None,
+        health_interval_s: float = 2.0,
     ) -> None:
         self.retry = retry or RetryPolicy()
         self.continuation = continuation or ContinuePolicy()
@@ -169,12 +182,24 @@ class EngineClient:
         self._headers = {"content-type": "application/json"}
         if api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._client = httpx.AsyncClient(
-            transport=transport or AiohttpTransport(limits=limits, trust_env=False),
-            timeout=httpx.Timeout(timeout_s, connect=30.0),
-            trust_env=False,
-        )
+        if transport is None:
+            self._transport: Transport = AiohttpTransport(
+                max_connections=max_connections, timeout_s=timeout_s
+            )
+        elif isinstance(transport, httpx.AsyncBaseTransport):
+            self._transport = HttpxTransport(transport, timeout_s=timeout_s)
+        else:
+            self._transport = transport
+        self._health_interval_s = health_interval_s
+        self.pool = EnginePool(["http://unset"], self._transport)  # the subclass's _engines() sets it
+        self._urls: list[str] = []
+
+    def _engines(self, base_url: str | Sequence[str], request_url: Callable[[str], str]) -> None:
+        """The engines behind ``base_url`` (one URL, or several: a pool), each asked at
+        ``request_url(url)``."""
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        self.pool = EnginePool(urls, self._transport, health_interval_s=self._health_interval_s)
+        self._urls = [request_url(url) for url in urls]
 
     async def __aenter__(self) -> Self:
         return self
@@ -183,7 +208,8 @@ class EngineClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self.pool.aclose()
+        await self._transport.aclose()
 
     async def complete(
         self,
@@ -197,70 +223,86 @@ class EngineClient:
         """One answer to ``messages`` (``previous``: this conversation's last completion)."""
         raise NotImplementedError
 
-    async def _post(self, url: str, body: dict[str, Any]) -> tuple[dict[str, Any], int]:
-        """POST with retries; returns the decoded answer and the number of attempts."""
+    async def _post(self, body: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """POST to an engine with retries; returns the decoded answer and the number of HTTP
+        requests made (a request moved to another engine at once counts as one more)."""
         content = orjson.dumps(body)
+        key = routing_key.get()
+        headers = self._headers if key is None else {**self._headers, ROUTING_KEY_HEADER: key}
+        sent = [0]
         # Most requests succeed at once; only failures pay for tenacity (~120 us a call here).
         try:
-            return await self._send(url, content), 1
-        except (_RetryableStatus, httpx.TransportError) as exc:
+            return await self._send(content, headers, key, sent), sent[0]
+        except (_RetryableStatus, Unreachable) as exc:
             first_failure: BaseException | None = exc
         policy = self.retry
         stop: stop_base = (
             stop_before_delay(policy.max_retry_s) if self.gate is None else _StopOpenTime(policy, self.gate)
         )
         if policy.max_attempts is not None:
-            stop = stop | stop_after_attempt(policy.max_attempts)
+            stop = stop | _StopAfterSent(sent, policy.max_attempts)
         retrying = AsyncRetrying(
             stop=stop,
             wait=_Wait(policy.backoff_s, policy.max_backoff_s),
             retry=retry_if_exception(_is_retryable),
             reraise=True,
         )
-        attempts = 1
         first_failed_at = time.monotonic()
         try:
             async for attempt in retrying:
                 with attempt:
-                    attempts = attempt.retry_state.attempt_number
                     if first_failure is not None:  # attempt 1 was made above: replay its failure
                         failure, first_failure = first_failure, None
                         raise failure
-                    return await self._send(url, content), attempts
-        except (_RetryableStatus, httpx.TransportError) as exc:
+                    return await self._send(content, headers, key, sent), sent[0]
+        except (_RetryableStatus, Unreachable) as exc:
             elapsed_s = time.monotonic() - first_failed_at
-            times = "once" if attempts == 1 else f"{attempts} times"
+            times = "once" if sent[0] == 1 else f"{sent[0]} times"
             raise LLMError(f"the policy server failed {times} over {elapsed_s:.1f} s; last: {exc!r}") from exc
         raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
 
-    async def _send(self, url: str, content: bytes) -> dict[str, Any]:
-        if self.gate is None:
-            return await self._send_now(url, content)
-        await self.gate.enter()
-        try:
-            return await self._send_now(url, content)
-        finally:
-            self.gate.leave()
+    async def _send(
+        self, content: bytes, headers: dict[str, str], key: str | None, sent: list[int]
+    ) -> dict[str, Any]:
+        """One attempt: to the engine the pool picks, and at once to another one while the
+        picked engine cannot be reached and another is healthy."""
+        while True:
+            if self.gate is not None:  # paused for a weight update: nothing is sent until resumed
+                await self.gate.enter()
+            engine = self.pool.pick(key)
+            self.stats.requests += 1
+            sent[0] += 1
+            try:
+                reply = await self._transport.post(self._urls[engine.index], content, headers)
+            except Unreachable as exc:
+                self.stats.failed(exc.kind)
+                limit = self.retry.max_attempts
+                if (
+                    exc.kind != "ReadTimeout"  # a slow engine is not a dead one
+                    and self.pool.failed(engine, exc)
+                    and (limit is None or sent[0] < limit)
+                ):
+                    continue
+                raise
+            finally:
+                self.pool.release(engine)
+                if self.gate is not None:
+                    self.gate.leave()
+            return self._answer(reply)
 
-    async def _send_now(self, url: str, content: bytes) -> dict[str, Any]:
-        self.stats.requests += 1
-        try:
-            response = await self._client.post(url, content=content, headers=self._headers)
-        except httpx.TransportError as exc:
-            self.stats.failed(type(exc).__name__)
-            raise
-        if response.is_error:
-            self.stats.failed(f"HTTP {response.status_code}")
-            if response.status_code in RETRYABLE_STATUS:
-                raise _RetryableStatus(response)
-            said = error_message(response.content)
+    def _answer(self, reply: Reply) -> dict[str, Any]:
+        if reply.is_error:
+            self.stats.failed(f"HTTP {reply.status}")
+            if reply.status in RETRYABLE_STATUS:
+                raise _RetryableStatus(reply)
+            said = error_message(reply.body)
             raise LLMError(
-                f"HTTP {response.status_code} from the policy server: {said}",
-                status=response.status_code,
+                f"HTTP {reply.status} from the policy server: {said}",
+                status=reply.status,
                 engine_message=said,
             )
         try:
-            answer: Any = orjson.loads(response.content)
+            answer: Any = orjson.loads(reply.body)
         except orjson.JSONDecodeError as exc:
             self.stats.failed("invalid JSON")
             raise LLMError(f"the policy server answered invalid JSON: {exc}") from exc
@@ -281,7 +323,7 @@ class ChatClient(EngineClient):
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         *,
         model: str = "default",
         engine: Engine = "auto",
@@ -294,7 +336,7 @@ class ChatClient(EngineClient):
         self.engine = engine
         self.capture = capture
         self.chat_template_kwargs = chat_template_kwargs or None
-        self._url = engine_base_url(base_url) + "/chat/completions"
+        self._engines(base_url, lambda url: engine_base_url(url) + "/chat/completions")
 
     async def complete(
         self,
@@ -344,7 +386,7 @@ class ChatClient(EngineClient):
                 body.update(continue_fields)
                 if budget is not None:
                     body["max_tokens"] = budget - generated
-            answer, tries = await self._post(self._url, body)
+            answer, tries = await self._post(body)
             attempts += tries
             choice, message = _first_choice(answer)
             finish_reason = choice.get("finish_reason") or "stop"
@@ -459,11 +501,21 @@ class _Wait:
 
 
 def _is_retryable(exc: BaseException) -> bool:
-    return isinstance(exc, (_RetryableStatus, httpx.TransportError))
+    return isinstance(exc, (_RetryableStatus, Unreachable))
 
 
-def _retry_after_s(response: httpx.Response) -> float | None:
-    value = response.headers.get("retry-after")
+class _StopAfterSent(stop_base):
+    """Stop once ``max_attempts`` HTTP requests were made (a move to another engine counts)."""
+
+    def __init__(self, sent: list[int], max_attempts: int) -> None:
+        self.sent = sent
+        self.max_attempts = max_attempts
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return self.sent[0] >= self.max_attempts
+
+
+def _retry_after_s(value: str | None) -> float | None:
     try:
         return float(value) if value is not None else None
     except ValueError:

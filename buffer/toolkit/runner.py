@@ -25,9 +25,9 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,9 +43,11 @@ from buffer.toolkit.dataset import Plan, ResumePoint, read_rows
 from buffer.toolkit.engines import Engine
 from buffer.toolkit.failfast import FailFast, MisconfiguredEngine
 from buffer.toolkit.llm import ChatClient, ContinuePolicy, EngineClient, LLMStats, RetryPolicy
+from buffer.toolkit.pool import group_key, routing_key
 from buffer.toolkit.records import turn_records
 from buffer.toolkit.sink import HttpSink, RejectedTrajectory, TrajectorySink, open_sink
 from buffer.toolkit.tito import TokenClient, TokenEngine, TokenRenderer, load_tokenizer
+from buffer.toolkit.transport import Transport
 from buffer.toolkit.types import Completion, Episode, GroupRewardFn, Message, RewardFn, Sample
 from default_func import FAILURE_REWARD
 
@@ -64,7 +66,9 @@ class RolloutSettings(BaseModel):
 
     task_type: str = "default"
     input_file: str
-    remote_engine_url: str
+    remote_engine_url: str | Annotated[list[str], Field(min_length=1)] = Field(
+        description="the policy server, or several: a pool (least in flight, a group on one engine)"
+    )
     remote_buffer_url: str | None = None
     num_repeat_per_sample: int = Field(1, ge=1)
     num_epoch: int = Field(1, ge=1)
@@ -138,6 +142,11 @@ class Progress:
     #: Completions per latency bucket (not cumulative; the last one is +Inf), and their sum.
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
     latency_sum_s: float = 0.0
+    #: Answers by finish_reason ("length": truncated), and the length of those whose length is
+    #: known (the engine's usage.completion_tokens, else the token ids captured).
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    response_tokens_sum: int = 0
+    response_tokens_count: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -151,6 +160,14 @@ class Progress:
             self.retries += max(0, completion.attempts - 1 - completion.continuations)
             self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, completion.latency_s)] += 1
             self.latency_sum_s += completion.latency_s
+            reason = completion.finish_reason
+            self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+            tokens = completion.usage.get("completion_tokens")
+            if tokens is None and completion.token_ids is not None:
+                tokens = len(completion.token_ids)
+            if tokens is not None:
+                self.response_tokens_sum += tokens
+                self.response_tokens_count += 1
 
     def count_failures(self, stats: LLMStats, since: LLMStats) -> None:
         """Take the request failures a client has counted (``stats``) since ``since``."""
@@ -224,6 +241,7 @@ async def run_rollouts(
         shuffle=settings.shuffle,
         skip_instance_ids=settings.skip_instance_ids,
         resume=ResumePoint.from_json(settings.resume) if settings.resume else None,
+        share=_worker_share(data),
     )
     progress = Progress(settings.task_type, plan.total())
     own_sink = sink is None
@@ -255,6 +273,7 @@ async def run_rollouts(
     elif remote is not None:
         run.admission = remote.admission
     run.stamp_versions = gate is not None
+    run.leases = data.get("leases")
     publish = functools.partial(_publish, progress, llm.stats, llm.stats.copy())
     reporter = asyncio.create_task(
         _report(progress, settings.progress_interval_s, publish), name="rollout-progress"
@@ -277,7 +296,10 @@ async def run_rollouts(
 
 
 def policy_client(
-    settings: RolloutSettings, *, tokenizer: Any = None, transport: httpx.AsyncBaseTransport | None = None
+    settings: RolloutSettings,
+    *,
+    tokenizer: Any = None,
+    transport: httpx.AsyncBaseTransport | Transport | None = None,
 ) -> EngineClient:
     """The client ``settings`` describe: the chat client, or in token mode the token client
     with the served model's tokenizer (SGLang's ``/generate`` unless the engine is vLLM).
@@ -336,6 +358,8 @@ class _Run:
         self.admission: Admits | None = None
         self.stamp_versions = False
         self.versions: dict[int, list[int]] = {}  # by id(sample): its requests' versions
+        self.failure_kinds: set[str] = set()  # each kind of failure is logged once, with its reason
+        self.leases: dict[str, Any] | None = None  # work leases from the buffer (data["leases"])
 
     async def all(self, plan: Plan) -> None:
         slots = asyncio.Semaphore(self.settings.num_process)
@@ -347,7 +371,7 @@ class _Run:
 
         last_group: tuple[int, Any] | None = None
         try:
-            for sample in plan:
+            async for sample in _samples(plan, self.settings.task_type, self.leases):
                 group = (sample.epoch, sample.instance_id)
                 if self.admission is not None and group != last_group:
                     await self.admission.admit()
@@ -375,6 +399,8 @@ class _Run:
     async def one(self, sample: Sample) -> None:
         if self.stamp_versions:  # in this task's own context: only its requests are recorded
             self.versions[id(sample)] = recording()
+        # This task's requests carry the group's key: its samples stay on one engine.
+        routing_key.set(group_key(self.settings.task_type, sample.epoch, sample.instance_id))
         try:
             outcome: Episode | BaseException = await self.rollout(sample)
         except Exception as exc:  # retries are spent: the trajectory fails, the run goes on
@@ -452,6 +478,17 @@ class _Run:
         self.progress.completed += 1
         if error is not None:
             self.progress.failed += 1
+            kind = type(error).__name__
+            if kind not in self.failure_kinds:  # a run whose every request fails says why, once
+                self.failure_kinds.add(kind)
+                logger.warning(
+                    "%s: trajectory of %r failed: %s: %s (the first %s; the progress counts the others)",
+                    self.settings.task_type,
+                    sample.instance_id,
+                    kind,
+                    error,
+                    kind,
+                )
         elif trajectory["extra_info"]["finish_reason"] == "abort":
             self.progress.aborted += 1
 
@@ -512,6 +549,25 @@ def _as_async(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
         return await result if inspect.isawaitable(result) else result
 
     return in_thread
+
+
+async def _samples(plan: Plan, task_type: str, leases: dict[str, Any] | None) -> AsyncIterator[Sample]:
+    """The plan's samples; with ``leases`` (a worker of ``rollout-buffer worker --leases``),
+    those the buffer grants this worker (``buffer.workers.leases``)."""
+    if leases is None:
+        for sample in plan:
+            yield sample
+        return
+    from buffer.workers.leases import leased
+
+    async for sample in leased(list(plan), {"task_type": task_type, **leases}):
+        yield sample
+
+
+def _worker_share(data: dict[str, Any]) -> tuple[int, int]:
+    """Which worker process of the job this is (the service sets ``data["worker"]``)."""
+    worker = data.get("worker") or {}
+    return int(worker.get("index", 0)), max(1, int(worker.get("count", 1)))
 
 
 async def _report(progress: Progress, interval_s: float, publish: Callable[[], None]) -> None:

@@ -142,7 +142,7 @@ class HttpSink:
                     if remaining <= 0
                     else await asyncio.wait_for(self._queue.get(), remaining)
                 )
-            except (asyncio.TimeoutError, asyncio.QueueEmpty):
+            except (TimeoutError, asyncio.QueueEmpty):
                 return False
             if item is None:
                 return True
@@ -208,14 +208,19 @@ def _is_transient(exc: BaseException) -> bool:
 
 async def open_sink(remote_buffer_url: str | None, *, api_key: str | None = None) -> TrajectorySink:
     """The direct sink when this runs as a job of the service ``remote_buffer_url`` names
-    (or names nothing), else an HTTP sink to it."""
+    (or names nothing), an HTTP sink to the service's own address from its worker processes
+    (with the service's key, which it gave them), else an HTTP sink to ``remote_buffer_url``."""
     job = current_job()
-    if job is not None and job.buffer is not None:
-        local = remote_buffer_url is None or await asyncio.to_thread(
-            same_service, remote_buffer_url, job.buffer_url
+    if job is not None and (job.buffer is not None or job.in_worker):
+        local = (
+            remote_buffer_url is None
+            or remote_buffer_url == job.buffer_url
+            or await asyncio.to_thread(same_service, remote_buffer_url, job.buffer_url)
         )
-        if local:
+        if local and job.buffer is not None:
             return LocalSink(job.buffer)
+        if local and job.buffer_url is not None:  # a worker process of the service: its loopback
+            return HttpSink(job.buffer_url, api_key=api_key)
     if remote_buffer_url is None:
         raise ValueError("remote_buffer_url is required outside the rollout buffer service")
     if (

@@ -216,7 +216,7 @@ class TokenClient(EngineClient):
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         renderer: TokenRenderer,
         *,
         engine: TokenEngine = "sglang",
@@ -232,9 +232,9 @@ class TokenClient(EngineClient):
         self.tool_parser = tool_parser
         self.reasoning = reasoning
         if engine == "sglang":
-            self._url = engine_root_url(base_url) + "/generate"
+            self._engines(base_url, lambda url: engine_root_url(url) + "/generate")
         else:
-            self._url = engine_base_url(base_url) + "/completions"
+            self._engines(base_url, lambda url: engine_base_url(url) + "/completions")
 
     async def complete(
         self,
@@ -259,9 +259,7 @@ class TokenClient(EngineClient):
         finish_reason = "stop"
         while True:
             remaining = None if budget is None else budget - len(output)
-            answer, tries = await self._post(
-                self._url, self._request(prompt + output, remaining, sampling, seed)
-            )
+            answer, tries = await self._post(self._request(prompt + output, remaining, sampling, seed))
             attempts += tries
             part = self._read(answer)
             output += part.output_ids

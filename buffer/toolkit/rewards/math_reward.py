@@ -138,7 +138,7 @@ class MathReward:
                 try:
                     future = loop.run_in_executor(pool, math_verify_verdict, gold, prediction, self.timeout_s)
                     verdict = await asyncio.wait_for(future, self.timeout_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     logger.warning(
                         "math-verify took over %.1f s to compare %.200r with %.200r; scoring 0.0",
                         self.timeout_s,
@@ -183,7 +183,7 @@ class MathReward:
                     if self._closed:
                         raise RuntimeError("this MathReward is closed")
                     self._pool = pool
-            except asyncio.TimeoutError as exc:
+            except TimeoutError as exc:
                 _kill(pool)
                 raise RuntimeError(_CANNOT_START) from exc
             except BaseException:

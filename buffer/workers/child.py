@@ -1,0 +1,184 @@
+"""The worker process: ``python -m buffer.workers.child`` runs one job's generator.
+
+The service starts it in a process group of its own with the job's ``WorkerSpec`` on stdin.
+It imports the generator file afresh, runs ``run_rollout(data)`` (sync or async: the same
+files as in the service) with ``current_job()`` set, so the toolkit's sink writes back to the
+service over HTTP, and leaves its outcome in ``result_file`` before it exits: 0 when the
+generator returned, 1 when it raised (the file says what and where), 2 when it was cancelled.
+
+SIGTERM is a cancel: an async generator's task is cancelled, a sync one gets ``Cancelled``
+raised in its thread (and ``current_job().cancel_requested`` turns true). The service kills
+the whole group after its grace period whatever the generator does. A worker whose service
+has gone (killed outright, so it could not stop its workers) kills its own group: nothing
+keeps writing for a service that will not come back as the same process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from buffer.jobs import Job, _current_job
+from buffer.logs import configure_logging
+from buffer.registry import Generator, LoadError, load_generator, where
+from buffer.workers.spec import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+EXIT_FAILED = 1
+EXIT_CANCELLED = 2
+ORPHAN_CHECK_S = 0.5
+PROGRESS_INTERVAL_S = 1.0
+
+
+class Cancelled(BaseException):
+    """Raised in a sync generator's thread when the service cancels the job."""
+
+
+def main() -> None:
+    spec = WorkerSpec.from_json(json.loads(sys.stdin.read()))
+    configure_logging(spec.log_level)
+    _watch_parent(os.getppid())
+    code = run(spec)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # threads a generator left behind do not hold the exit up
+
+
+def run(spec: WorkerSpec, outcome: dict[str, Any] | None = None) -> int:
+    """Run the generator ``spec`` names in this process; its exit code (0 when it returned).
+    ``outcome`` gets what ``result_file`` would (for a caller in this process)."""
+    generator = load_generator(Path(spec.generator_file))
+    if isinstance(generator, LoadError):
+        logger.error(
+            "%s: cannot load %s: %s\n%s", spec.job_id, generator.path, generator.error, generator.traceback
+        )
+        failure = {"status": "failed", "error": generator.error, "where": generator.where}
+        _leave(spec, failure)
+        if outcome is not None:
+            outcome.update(failure)
+        return EXIT_FAILED
+    data = dict(spec.data, worker={"index": spec.index, "count": spec.count})
+    job = Job(
+        id=spec.job_id,
+        task_type=spec.task_type,
+        generator_file=spec.generator_file,
+        data=data,
+        written_at_start=0,
+        buffer_url=spec.buffer_url,
+        policy=spec.policy(),
+        in_worker=True,
+    )
+    _current_job.set(job)
+    if spec.progress_file:
+        _publish_progress(job, Path(spec.progress_file))
+    status = _run(generator, job)
+    if spec.progress_file and job.progress:  # the last counts, which the thread may not have seen
+        with contextlib.suppress(OSError, TypeError, ValueError):
+            _write_atomically(Path(spec.progress_file), json.dumps(job.progress))
+    _leave(spec, status)
+    if outcome is not None:
+        outcome.update(status)
+    return {"succeeded": 0, "cancelled": EXIT_CANCELLED}.get(status["status"], EXIT_FAILED)
+
+
+def _run(generator: Generator, job: Job) -> dict[str, Any]:
+    try:
+        if generator.is_async:
+            asyncio.run(_run_async(generator, job))
+        else:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, lambda sig, frame: _cancel_sync(job, frame))
+            generator.run_rollout(job.data)
+    except (Cancelled, asyncio.CancelledError):
+        return {"status": "cancelled"}
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt included: all are failures
+        tb = traceback.format_exc()
+        logger.error("%s: %s generator failed: %s\n%s", job.id, job.task_type, exc, tb)
+        return {
+            "status": "failed",
+            "error": f"{type(exc).__name__}: {exc}",
+            "where": where(exc, generator.path),
+        }
+    if job.cancel_requested:
+        return {"status": "cancelled"}
+    return {"status": "succeeded"}
+
+
+async def _run_async(generator: Generator, job: Job) -> None:
+    task = asyncio.current_task()
+    assert task is not None
+
+    def cancel() -> None:
+        job._cancel.set()
+        task.cancel()
+
+    if threading.current_thread() is threading.main_thread():
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, cancel)
+    await generator.run_rollout(job.data)
+
+
+def _cancel_sync(job: Job, frame: FrameType | None) -> None:
+    if os.getpid() != _own_pid:  # a process the generator forked: just stop
+        os._exit(EXIT_CANCELLED)
+    job._cancel.set()
+    raise Cancelled
+
+
+_own_pid = os.getpid()
+
+
+def _watch_parent(parent: int) -> None:
+    """Kill this process group once the service that started it is gone."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(ORPHAN_CHECK_S)
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _publish_progress(job: Job, path: Path) -> None:
+    """Keep the job's progress in ``path``, once a second, for the service's ``GET /jobs``."""
+
+    def publish() -> None:
+        last: dict[str, Any] | None = None
+        while True:
+            time.sleep(PROGRESS_INTERVAL_S)
+            progress = dict(job.progress)
+            if progress != last:
+                with contextlib.suppress(OSError, TypeError, ValueError):
+                    _write_atomically(path, json.dumps(progress))
+                    last = progress
+
+    threading.Thread(target=publish, name="progress", daemon=True).start()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(text)
+    temporary.replace(path)
+
+
+def _leave(spec: WorkerSpec, outcome: dict[str, Any]) -> None:
+    if not spec.result_file:
+        return
+    _write_atomically(Path(spec.result_file), json.dumps(outcome))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""A worker process as the service sees it: started, watched, stopped with its whole group.
+
+Each worker is a fresh interpreter (``sys.executable -m buffer.workers.child``: nothing of the
+service's state, threads or locks is inherited, as a ``fork`` would), the leader of a new
+process group (set at ``exec``, so no moment exists where it could escape a stop), given its
+``WorkerSpec`` on stdin. ``stop`` sends SIGTERM to the group, waits the grace period, then
+SIGKILL: processes the generator started (``multiprocessing`` pools, shell commands) go with
+it. When the worker exits on its own, what it left in its group is killed too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from buffer.workers.spec import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+#: The outcome a worker writes for each way it can end (``child``'s exit codes).
+_EXIT_STATUS = {0: "succeeded", 2: "cancelled"}
+#: How long a stop waits, after SIGKILL, for the group's processes to be gone.
+KILL_WAIT_S = 2.0
+
+
+@dataclass(slots=True)
+class WorkerOutcome:
+    """How a worker ended: its status, and for a failure, what happened and where."""
+
+    status: str  # succeeded | failed | cancelled
+    returncode: int | None
+    error: str | None = None
+    where: str | None = None
+
+
+@dataclass(eq=False)
+class WorkerProcess:
+    spec: WorkerSpec
+    env: dict[str, str] | None = None
+    process: asyncio.subprocess.Process | None = field(default=None, repr=False)
+    outcome: WorkerOutcome | None = None
+    _directory: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+    _progress: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    async def start(self) -> None:
+        self._directory = tempfile.TemporaryDirectory(prefix=f"rollout-{self.spec.job_id}-")
+        directory = Path(self._directory.name)
+        spec = self.spec = dataclasses.replace(
+            self.spec,
+            result_file=str(directory / "outcome.json"),
+            progress_file=str(directory / "progress.json"),
+        )
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "buffer.workers.child",
+            stdin=asyncio.subprocess.PIPE,
+            env=self.env,
+            start_new_session=True,  # its own session and process group, set at exec
+        )
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(spec.to_json()).encode())
+        with contextlib.suppress(ConnectionError):  # it died at once: wait() tells how
+            await self.process.stdin.drain()
+        self.process.stdin.close()
+        logger.info("%s: worker %d/%d started, pid %d", spec.job_id, spec.index + 1, spec.count, self.pid)
+
+    async def wait(self) -> WorkerOutcome:
+        """Wait until it exits; kill what it left in its group; say how it ended."""
+        assert self.process is not None
+        code = await self.process.wait()
+        self._kill_group(signal.SIGKILL)
+        self.progress()  # its last word, before the folder goes
+        self.outcome = self._read_outcome(code)
+        if self._directory is not None:
+            self._directory.cleanup()
+        return self.outcome
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM to its group, SIGKILL after ``grace_s``; returns once it has exited."""
+        if self.process is None or self.process.returncode is not None:
+            self._kill_group(signal.SIGKILL)
+            return
+        self._kill_group(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(self.process.wait()), grace_s)
+        except TimeoutError:
+            logger.warning(
+                "%s: worker pid %d still running %g s after SIGTERM: killing its process group",
+                self.spec.job_id,
+                self.pid,
+                grace_s,
+            )
+        self._kill_group(signal.SIGKILL)
+        await self.process.wait()
+        # A signal is delivered when its process next runs: until then, one of its processes may
+        # still send a write. Return once none is left (zombies, dead already, do not count).
+        for _ in range(int(KILL_WAIT_S / 0.02)):
+            if not await asyncio.to_thread(group_alive, self.process.pid):
+                break
+            await asyncio.sleep(0.02)
+
+    def rss_bytes(self) -> int | None:
+        """Its resident memory (Linux), None once it has exited."""
+        if self.process is None or self.process.returncode is not None:
+            return None
+        try:
+            status = Path(f"/proc/{self.pid}/status").read_text()
+        except OSError:
+            return None
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return None
+
+    def progress(self) -> dict[str, Any]:
+        """What the generator last reported (the toolkit's counts), kept once it has exited."""
+        if self.spec.progress_file and self.outcome is None:
+            with contextlib.suppress(OSError, ValueError):
+                self._progress = json.loads(Path(self.spec.progress_file).read_text())
+        return self._progress
+
+    def describe(self) -> dict[str, Any]:
+        outcome = self.outcome
+        return {
+            "index": self.spec.index,
+            "pid": self.pid,
+            "rss_bytes": self.rss_bytes(),
+            "status": "running" if outcome is None else outcome.status,
+            "exit": None if outcome is None else exit_text(outcome.returncode),
+        }
+
+    def _kill_group(self, sig: signal.Signals) -> None:
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, sig)
+
+    def _read_outcome(self, code: int) -> WorkerOutcome:
+        raw: dict[str, Any] = {}
+        if self.spec.result_file:
+            with contextlib.suppress(OSError, ValueError):
+                raw = json.loads(Path(self.spec.result_file).read_text())
+        status = raw.get("status") or _EXIT_STATUS.get(code, "failed")
+        error = raw.get("error")
+        if status == "failed" and error is None:  # it could not say: killed, or os._exit
+            error = f"the worker process {exit_text(code)}"
+        return WorkerOutcome(status, code, error, raw.get("where"))
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of the group ``pgid`` still runs (Linux's /proc; elsewhere: whether
+    the group can still be signalled)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def exit_text(code: int | None) -> str | None:
+    """``exited with code 3``, ``was killed by SIGKILL``."""
+    if code is None:
+        return None
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"
