@@ -193,12 +193,20 @@ def _trainer(
         "trajectories_failed": progress.get("failed"),
         "trajectories_refused": progress.get("rejected"),
         "trajectories_left_aborted": progress.get("aborted"),
-        "paused_s": gate["paused_s"],
-        "open_s": gate["open_s"],
-        "generation_vs_ideal": round(gate["mean_in_flight_open"] / num_process, 4),
+        "paused_s": progress.get("gate_paused_s", gate["paused_s"]),
+        "open_s": progress.get("gate_open_s", gate["open_s"]),
+        "generation_vs_ideal": _vs_ideal(gate, progress, num_process),
         "mean_step_s": round(sum(step_s) / len(step_s), 4) if step_s else None,
         "admission": policy["admission"].get("math"),
     }
+
+
+def _vs_ideal(gate: dict[str, Any], progress: dict[str, Any], num_process: int) -> float:
+    """Mean engine requests in flight while open, over ``num_process``: from the generator's own
+    gate when it runs in a worker process (its progress), else from the service's."""
+    if progress.get("gate_open_s"):
+        return round(progress["gate_busy_s"] / progress["gate_open_s"] / num_process, 4)
+    return round(gate["mean_in_flight_open"] / num_process, 4)
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ def test_a_paused_and_versioned_run_serves_nothing_stale_loses_nothing_and_fills
     assert figures["trajectories_lost"] == 0, figures
     assert figures["trajectories_failed"] == 0, figures
     assert figures["trajectories_left_aborted"] == 0, figures
+    assert figures["generation_vs_ideal"] > 0.5, figures  # measured, loosely: the machine is shared
     admission = figures["admission"]
     assert admission["capacity"] == 2 * admission["batch_groups"]  # (S + 1) reads ahead, no more
     assert admission["outstanding"] <= admission["capacity"]

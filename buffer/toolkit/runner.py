@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import copy
 import functools
 import inspect
 import itertools
@@ -26,7 +27,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Annotated, Any
 
 import httpx
@@ -35,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from buffer.jobs import current_job
 from buffer.policy import find_policy
 from buffer.policy.admission import Admits
-from buffer.policy.gate import recording
+from buffer.policy.gate import Gate, recording
 from buffer.policy.remote import RemotePolicy
 from buffer.policy.stamp import stamp
 from buffer.toolkit.agent import single_turn
@@ -148,6 +149,8 @@ class Progress:
     response_tokens_sum: int = 0
     response_tokens_count: int = 0
     started_at: float = field(default_factory=time.monotonic)
+    #: The gate the run's engine requests pass, under a buffer's policy (``buffer.policy``).
+    gate: Gate | None = None
 
     @property
     def in_flight(self) -> int:
@@ -177,10 +180,10 @@ class Progress:
     def snapshot(self) -> dict[str, Any]:
         """Plain numbers for the job: the latency buckets cumulative, keyed by their bound."""
         elapsed = time.monotonic() - self.started_at
-        hidden = ("started_at", "task_type", "latency_counts", "latency_sum_s")
+        hidden = ("started_at", "task_type", "latency_counts", "latency_sum_s", "gate")
         cumulative = list(itertools.accumulate(self.latency_counts))
         return {
-            **{k: v for k, v in asdict(self).items() if k not in hidden},
+            **{f.name: copy.copy(getattr(self, f.name)) for f in fields(self) if f.name not in hidden},
             "in_flight": self.in_flight,
             "elapsed_s": round(elapsed, 1),
             "trajectories_per_s": round(self.completed / elapsed, 2) if elapsed > 0 else 0.0,
@@ -190,6 +193,20 @@ class Progress:
             },
             "latency_s_count": cumulative[-1],
             "latency_s_sum": round(self.latency_sum_s, 6),
+            **self._gate_figures(),
+        }
+
+    def _gate_figures(self) -> dict[str, float]:
+        """Under a buffer's policy: seconds paused, seconds open, and the integral of engine
+        requests in flight over the open time (``gate_busy_s / gate_open_s``: their mean)."""
+        if self.gate is None:
+            return {}
+        gate = self.gate.snapshot()
+        open_s = float(gate["open_s"])
+        return {
+            "gate_paused_s": float(gate["paused_s"]),
+            "gate_open_s": open_s,
+            "gate_busy_s": round(float(gate["mean_in_flight_open"]) * open_s, 4),
         }
 
     def line(self) -> str:
@@ -265,6 +282,10 @@ async def run_rollouts(
     gate = policy.gate if policy is not None else remote.gate if remote is not None else None
     if gate is not None and llm.gate is None:  # obey the buffer's pauses
         llm.gate = gate
+    if llm.gate is not None:
+        if remote is not None:
+            llm.gate.reset_stats()  # a mirror of its own: from this run's start
+        progress.gate = llm.gate
     run = _Run(
         settings, progress, sink, functools.partial(rollout, llm, **settings.sampling()), reward, group_reward
     )
