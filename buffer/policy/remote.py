@@ -24,14 +24,31 @@ WATCH_S = 30.0
 
 
 class RemoteAdmission:
-    """``Admission.admit`` over HTTP; stops asking once the service says there is no bound."""
+    """``Admission.admit`` over HTTP; stops asking once the service says there is no bound.
+
+    The next group's admission is asked for as soon as one is granted, so a round trip to
+    the service is not paid between one group and the next (the service counts it as
+    outstanding from then: the bound holds)."""
 
     def __init__(self, client: httpx.AsyncClient, task_type: str) -> None:
         self._client = client
         self._task_type = task_type
         self.bounded = True
+        self._next: asyncio.Task[None] | None = None
 
     async def admit(self) -> None:
+        if not self.bounded:
+            return
+        if self._next is None:
+            self._next = asyncio.create_task(self._ask())
+        try:
+            await self._next
+        finally:
+            self._next = None
+        if self.bounded:
+            self._next = asyncio.create_task(self._ask())
+
+    async def _ask(self) -> None:
         while self.bounded:
             try:
                 answer = await self._client.post(
@@ -48,6 +65,12 @@ class RemoteAdmission:
             self.bounded = bool(data.get("bounded", True))
             if data.get("admitted"):
                 return
+
+    async def aclose(self) -> None:
+        if self._next is not None:
+            self._next.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._next
 
 
 class RemotePolicy:
@@ -107,6 +130,7 @@ class RemotePolicy:
                 await asyncio.sleep(1.0)
 
     async def aclose(self) -> None:
+        await self.admission.aclose()
         if self._watcher is not None:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
