@@ -53,6 +53,7 @@ def run(
     abort_rate: float = 0.0,
     train_s: float = 0.1,
     pause_mode: str = "abort",
+    isolation: str = "process",
     workdir: Path | None = None,
 ) -> dict[str, Any]:
     """One run; returns its figures. ``accuracy`` 0.5 with ``group_size`` 2 makes half the
@@ -68,7 +69,7 @@ def run(
         sim += ["--latency-mean-s", str(latency_s), "--accuracy", str(accuracy), "--seed", "7"]
         sim += ["--abort-rate", str(abort_rate), "--log-level", "warning"]
         service = [sys.executable, "buffer.py", "--host", "127.0.0.1", "--port", str(buffer_port)]
-        service += ["--log-level", "warning", "--input-roots", str(folder)]
+        service += ["--log-level", "warning", "--input-roots", str(folder), "--job-isolation", isolation]
         with (
             started(sim, "simulator", folder / "simulator.log") as sim_process,
             started(service, "buffer", folder / "buffer.log") as buffer_process,
@@ -222,6 +223,9 @@ def main() -> None:
     parser.add_argument("--accuracy", type=float, default=0.5)
     parser.add_argument("--train-s", type=float, default=0.1)
     parser.add_argument("--pause-mode", choices=("abort", "drain"), default="abort")
+    parser.add_argument(
+        "--isolation", choices=("process", "inline"), default="process", help="where the generator runs"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     figures = run(
@@ -234,6 +238,7 @@ def main() -> None:
         accuracy=args.accuracy,
         train_s=args.train_s,
         pause_mode=args.pause_mode,
+        isolation=args.isolation,
     )
     if args.json:
         print(json.dumps(figures))
