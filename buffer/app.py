@@ -36,6 +36,7 @@ from buffer.routes import (
     export,
     jobs,
     metrics,
+    policy,
     rollout,
     service,
     sessions,
@@ -121,7 +122,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="rollout-buffer", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.router.routes[:0] = writes.ROUTES + sessions.ROUTES  # first: matched before any other route
-    modules = (rollout, trajectories, export, jobs, tasks, service, metrics, dashboard, tail, docs, sessions)
+    modules = (
+        rollout,
+        policy,
+        trajectories,
+        export,
+        jobs,
+        tasks,
+        service,
+        metrics,
+        dashboard,
+        tail,
+        docs,
+        sessions,
+    )
     for module in modules:
         app.include_router(module.router)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
@@ -174,7 +188,15 @@ def _gateway(buffer: RolloutBuffer, settings: Settings, policy: JobPolicy) -> Ga
         None if settings.data_dir is None else settings.data_dir / "images", local_url(settings) + "/images/"
     )
     config = GatewayConfig(require_session_key=required_key(settings) is not None)
-    return Gateway(buffer, EngineProxy(), images, policy, local_url(settings), config=config)
+    return Gateway(
+        buffer,
+        EngineProxy(),
+        images,
+        policy,
+        local_url(settings),
+        config=config,
+        pause_gate=buffer.policy.gate,  # POST /policy/pause holds the agents' calls too
+    )
 
 
 async def _sweep_timeouts(

@@ -26,6 +26,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from buffer.jobs import JobManager, JobStatus
+from buffer.policy.metrics import policy_metrics
 from buffer.rollout_buffer import RolloutBuffer
 
 PREFIX = "rollout_buffer_"
@@ -54,6 +55,7 @@ class BufferCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from self._buffer_metrics(self._buffer.stats())
         yield from self._job_metrics()
+        yield from policy_metrics(PREFIX, self._buffer.policy.snapshot())
 
     def _buffer_metrics(self, stats: dict[str, Any]) -> Iterator[Metric]:
         tasks: dict[str, dict[str, Any]] = stats["tasks"]

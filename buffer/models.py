@@ -273,6 +273,13 @@ class TaskGrouping(BaseModel):
     evaluation: bool = Field(
         False, description="keep every finished group as written: no filter, normalisation or padding"
     )
+    max_staleness: Int64 | None = Field(
+        None,
+        ge=0,
+        description="serve no group whose lowest policy version is more than this behind the trainer's; "
+        "the generator keeps at most this + 1 reads of groups ahead of the trainer (absent: no bound)",
+    )
+    weight: FiniteFloat | None = Field(None, gt=0, description="the task's share in mixed reads (default 1)")
 
     def task_settings(self, defaults: TaskSettings) -> TaskSettings:
         """The task's settings: these fields where given, else ``defaults`` (the service's flags)."""
@@ -283,6 +290,8 @@ class TaskGrouping(BaseModel):
             min_valid_item_size_ratio=self.min_valid_item_size_ratio,
             min_timeout_group_size_ratio=self.min_timeout_group_size_ratio,
             reward_key=self.reward_key,
+            max_staleness=self.max_staleness,
+            weight=self.weight,
         )
 
 
@@ -311,7 +320,7 @@ class StartRolloutRequest(TaskGrouping):
 
 
 class GetRolloutDataRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     batch_size: int | None = Field(
         None, ge=-1, description="at most this many items, in whole groups; -1: all"
@@ -320,6 +329,14 @@ class GetRolloutDataRequest(BaseModel):
         None, description="only this task's groups; default all tasks, oldest first"
     )
     wait_s: FiniteFloat = Field(0.0, ge=0, le=300, description="wait up to this long for a group to be ready")
+    mix: (
+        dict[Annotated[StrictStr, Field(min_length=1)], Annotated[float, Field(gt=0, allow_inf_nan=False)]]
+        | None
+    ) = Field(
+        None,
+        min_length=1,
+        description='share the read between these tasks by weight, e.g. {"math": 3, "code": 1}',
+    )
 
     @field_validator("batch_size")
     @classmethod
@@ -330,7 +347,7 @@ class GetRolloutDataRequest(BaseModel):
 class ReadRequest(BaseModel):
     """slime's older ``/buffer/read``: wait up to ``timeout`` for ``batch_size`` items."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     batch_size: int = Field(-1, ge=-1)
     timeout: FiniteFloat = Field(0.0, ge=0, le=300)

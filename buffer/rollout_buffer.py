@@ -29,6 +29,8 @@ from buffer import encoding, export
 from buffer.errors import BatchTooLarge, BufferFull, InvalidInput, StorageFailed, TooManyTasks
 from buffer.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE, Hooks
 from buffer.journal import Event, Journal, encode, refuse_non_finite
+from buffer.policy import reads as policy_reads
+from buffer.policy.state import Policy
 from buffer.stats import RewardStats
 from buffer.task import InstanceId, ReadyGroup, Record, SetAsideGroup, Tally, TaskBuffer, TaskSettings
 
@@ -120,6 +122,9 @@ class RolloutBuffer:
         self._written_seq = 0
         self._extensions: dict[str, Extension] = {}
         self._unclaimed: list[bytes] = []  # events of extensions not added: a compaction keeps them
+        #: The trainer's policy version, the gate of in-process generators, their admissions.
+        self.policy = Policy()
+        self._spans: dict[int, tuple[int, int] | None] = {}  # group versions, by ready seq
 
     # -- tasks -------------------------------------------------------------------------
 
@@ -329,19 +334,38 @@ class RolloutBuffer:
 
     # -- reads -------------------------------------------------------------------------
 
-    def read(self, task_type: str | None = None, max_items: int | None = None) -> ReadResult:
+    def read(
+        self,
+        task_type: str | None = None,
+        max_items: int | None = None,
+        *,
+        mix: Mapping[str, float] | None = None,
+    ) -> ReadResult:
         """Take ready groups, oldest first, whole: as many as fit in ``max_items`` (all when
         ``None``) but at least one. With ``one_group_per_instance``, a later group of an
         instance already taken stays for the next read (slime's trainer merges one read's
         groups by ``instance_id``). A read that returns groups starts a new statistics window;
-        one that returns none reports the statistics so far and keeps them."""
+        one that returns none reports the statistics so far and keeps them.
+
+        ``mix`` (task: weight), or the tasks' own weights when no ``task_type`` is named and a
+        task has one, shares the read between tasks (``buffer.policy.reads.choose_mixed``).
+        Groups past their task's ``max_staleness`` are set aside first, never served."""
         with self._lock:
             journal = self._journal
             if journal is not None and journal.failing is not None:
                 raise StorageFailed(journal.failing)  # nothing is taken that could not be kept
-            tasks = self._covered(task_type)
+            tasks = self._covered(task_type) if mix is None else [self._task(name) for name in mix]
             self._expire(tasks)
-            chosen = self._choose(tasks, max_items)
+            stale = self._set_stale_aside(tasks)
+            weights = dict(mix) if mix is not None else self._task_weights(task_type, tasks)
+            mixed: dict[str, Any] | None = None
+            if weights is not None and max_items is not None:
+                by_name = {task.task_type: task for task in tasks}
+                chosen, mixed = policy_reads.choose_mixed(
+                    by_name, weights, max_items, self.policy, self.one_group_per_instance
+                )
+            else:
+                chosen = self._choose(tasks, max_items)
             by_task: dict[str, list[int]] = {}
             for group in chosen:
                 by_task.setdefault(group.task_type, []).append(group.seq)
@@ -349,10 +373,13 @@ class RolloutBuffer:
                 self._tasks[name].take_ready(seqs)
             groups = chosen
             taken = sum(len(group.items) for group in groups)
+            lags = self._account_served(tasks, groups, max_items)
             meta = self._meta_info(tasks)
             if not groups:
                 meta["finished_groups"] = []
                 meta["discarded_groups"] = {}
+                if stale:
+                    meta["stale_groups"] = stale
                 return ReadResult([], meta)
             finished: list[InstanceId] = []
             discarded: Counter[str] = Counter()
@@ -364,6 +391,14 @@ class RolloutBuffer:
             meta["finished_groups"] = finished
             meta["discarded_groups"] = dict(discarded)
             meta["returned_groups"] = len(groups)
+            if stale:
+                meta["stale_groups"] = stale
+            if mixed is not None:
+                meta["mix"] = mixed
+            if self.policy.version is not None:
+                meta["policy_version"] = self.policy.version
+                if lags:
+                    meta["version_lag"] = {"min": min(lags), "max": max(lags)}
             served_at = self._wall_clock()
             for group in groups:
                 self._tasks[group.task_type].record_served(group, served_at)
@@ -385,6 +420,69 @@ class RolloutBuffer:
                     lambda: self._unread(groups, taken, windows),
                 )
             return ReadResult(groups, meta)
+
+    # -- the policy's part in reads (buffer.policy) ----------------------------------------
+
+    def _set_stale_aside(self, tasks: list[TaskBuffer]) -> dict[str, int]:
+        """Take every ready group past its task's ``max_staleness`` off the queue (journaled)."""
+        counts: dict[str, int] = {}
+        for task in tasks:
+            seqs = policy_reads.stale_groups(task, self.policy, self._spans)
+            if not seqs:
+                continue
+            policy_reads.drop(task, seqs)
+            for seq in seqs:
+                self._spans.pop(seq, None)
+            counts[task.task_type] = len(seqs)
+            self.policy.count_stale(task.task_type, len(seqs))
+            if self._journal is not None:
+                self._journal.append(encode({"e": "stale", "t": task.task_type, "seqs": seqs}))
+        if counts:
+            self.policy.notify()
+        return counts
+
+    def _task_weights(self, task_type: str | None, tasks: list[TaskBuffer]) -> dict[str, float] | None:
+        """The tasks' weights for a read naming no task, if any task has one."""
+        if task_type is not None or not any(task.settings.weight is not None for task in tasks):
+            return None
+        return {
+            task.task_type: 1.0 if task.settings.weight is None else task.settings.weight
+            for task in tasks
+            if not task.hooks_source or task.hooks_source != EVALUATION_SOURCE
+        }
+
+    def consumed_groups(self, task_type: str) -> int:
+        """Groups of the task that have left the buffer: served, discarded (the filter,
+        timeouts, stale) or set aside; what admission counts against."""
+        with self._lock:
+            task = self._tasks.get(task_type)
+            if task is None:
+                return 0
+            return task.delivered_groups + sum(task.discarded.values()) + task.set_aside_total
+
+    def _lag(self, group: ReadyGroup) -> int | None:
+        if self.policy.version is None:
+            return None
+        return self.policy.lag_of(policy_reads.span_of(group, self._spans))
+
+    def _account_served(
+        self, tasks: list[TaskBuffer], groups: list[ReadyGroup], max_items: int | None
+    ) -> list[int]:
+        """Count what a read served (shares, lags) and tell the admissions about the demand;
+        returns the lags that are known."""
+        lags = []
+        for group in groups:
+            lag = self._lag(group)
+            self._spans.pop(group.seq, None)
+            self.policy.served(group.task_type, len(group.items), lag)
+            if lag is not None:
+                lags.append(lag)
+        for task in tasks:
+            admission = self.policy.admission(task.task_type)
+            if admission is not None and max_items is not None:
+                admission.saw_read(-(-max_items // max(1, task.settings.group_size)))
+        self.policy.notify()
+        return lags
 
     def _unread(self, groups: list[ReadyGroup], taken: int, windows: list[_Window]) -> None:
         """Give back the groups of a read the journal could not commit (under the lock, newest
@@ -645,6 +743,8 @@ class RolloutBuffer:
             self._seq = max(self._seq, header.get("seq", -1) + 1)
         elif kind == "dup":
             self.duplicates += 1
+        elif kind == "stale":
+            policy_reads.drop(self._tasks[header["t"]], header["seqs"])
         elif kind == "nop":  # a read the journal took back, a compaction
             pass
         elif kind == "read":

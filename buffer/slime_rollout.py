@@ -5,9 +5,10 @@ arguments (``--rollout-buffer-url``, ``--rollout-task-type``, ``--prompt-data``,
 ``--n-samples-per-prompt``, ``--rollout-batch-size``, ...) and returns what slime's trainer
 takes (``RolloutFnTrainOutput`` of ``rollout_batch_size`` groups, ``RolloutFnEvalOutput``):
 
-- it counts groups, not samples; groups fetched beyond a step's need stay in the data source
-  for the next step, and every group read is put there as soon as it is converted, so a
-  failure later in the step loses nothing;
+- it counts groups, not samples, and asks the buffer for the groups the step still needs;
+  groups fetched beyond that (a group refused whole) stay in the data source for the next
+  step, and every group read is put there as soon as it is converted, so a failure later in
+  the step loses nothing;
 - a trajectory the converter refuses never fails the step: it is a placeholder in its group,
   counted and logged (`buffer.slime_samples` has the rules for samples, rewards, log probs
   and branches);
@@ -20,7 +21,12 @@ takes (``RolloutFnTrainOutput`` of ``rollout_batch_size`` groups, ``RolloutFnEva
 - evaluation runs slime's eval data sets (``--eval-config`` or ``--eval-prompt-data``, see
   `buffer.slime_eval`) through the buffer as evaluation rollouts;
 - the finished groups the buffer reports are recorded in the data source's metadata, so a
-  resume sends them back as ``skip_instance_ids``.
+  resume sends them back as ``skip_instance_ids``;
+- each step tells the buffer the policy version (the ``rollout_id``: slime updates the weights
+  between calls), and with ``rollout_buffer_pause`` set ("abort" or "drain") pauses generation
+  once the step's batch is read, so no engine request starts while slime trains and syncs the
+  weights; the next call resumes it at the new version. ``rollout_buffer_max_staleness`` is
+  the task's ``max_staleness``.
 
 ``--rollout-top-p`` other than 1 is refused up front: slime then replays the engine's top-p
 token sets in training, which the buffer's trajectories do not carry, and would fail its
@@ -41,6 +47,7 @@ from typing import Any, cast
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 
 from buffer.client import RolloutBufferClient
+from buffer.client.errors import BufferClientError
 from buffer.samples import SampleConverter
 from buffer.slime_eval import eval_output, eval_sets, sampling_params, template_kwargs
 from buffer.slime_samples import (
@@ -92,6 +99,8 @@ class _Session:
     #: groups read when the current pass started, and whether it skipped nothing
     groups_at_pass_start: int = 0
     fresh_pass: bool = False
+    #: generation is paused by this trainer, until the next step resumes it
+    paused: bool = False
 
     def converter(self, chat_template_kwargs: Mapping[str, Any] | None) -> SampleConverter:
         """One converter per set of chat-template kwargs (each analyses its template once)."""
@@ -118,6 +127,9 @@ def close_sessions() -> None:
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
     session = _session(args)
     if evaluation:
+        if session.paused:  # evaluation generates too: the pause was for the weight update
+            session.client.resume_generation(None)
+            session.paused = False
         return _evaluate(args, rollout_id, session)
     return _train(args, rollout_id, data_source, session)
 
@@ -180,6 +192,11 @@ def _payload(
     }
 
 
+def _staleness(args: Any) -> dict[str, Any]:
+    bound = getattr(args, "rollout_buffer_max_staleness", None)
+    return {} if bound is None else {"max_staleness": int(bound)}
+
+
 def _train_payload(args: Any) -> dict[str, Any]:
     """The generator's passes over ``--prompt-data``: ``--num-epoch``, or as many as
     ``--num-rollout`` steps of ``--rollout-batch-size`` groups need (another starts if short)."""
@@ -196,13 +213,14 @@ def _train_payload(args: Any) -> dict[str, Any]:
         stop=getattr(args, "rollout_stop", None),
         chat_template_kwargs=template_kwargs(getattr(args, "apply_chat_template_kwargs", None)),
     )
-    return _payload(
+    payload = _payload(
         args,
         input_file=args.prompt_data,
         n=args.n_samples_per_prompt,
         num_epoch=epochs or 1,
         sampling=sampling,
     )
+    return {**payload, **_staleness(args)}
 
 
 def _start(args: Any, session: _Session, skip: list[Any]) -> None:
@@ -211,8 +229,35 @@ def _start(args: Any, session: _Session, skip: list[Any]) -> None:
     session.fresh_pass = not skip
 
 
+def _policy_step(args: Any, rollout_id: int, session: _Session) -> None:
+    """Tell the buffer which policy the engines serve now; resume generation if this trainer
+    paused it. A buffer that knows a higher version (a trainer resumed from an older
+    checkpoint) keeps it: logged, not fatal."""
+    try:
+        if session.paused:
+            session.client.resume_generation(rollout_id)
+            session.paused = False
+        else:
+            session.client.set_policy_version(rollout_id)
+    except BufferClientError as exc:
+        if exc.status_code != 409:
+            raise
+        logger.warning("the buffer keeps its policy version: %s", exc)
+        if session.paused:
+            session.client.resume_generation(None)
+            session.paused = False
+
+
+def _pause_after_step(args: Any, session: _Session) -> None:
+    mode = getattr(args, "rollout_buffer_pause", None)
+    if mode:
+        session.client.pause_generation(mode)
+        session.paused = True
+
+
 def _train(args: Any, rollout_id: int, data_source: Any, session: _Session) -> Any:
     counts = StepCounts()
+    _policy_step(args, rollout_id, session)
     if not session.started:
         metadata = data_source.get_metadata() or {}
         skip = [instance_id for finished in metadata.values() for instance_id in finished]
@@ -220,6 +265,7 @@ def _train(args: Any, rollout_id: int, data_source: Any, session: _Session) -> A
         session.started = True
         logger.info("started %s with %d finished groups to skip", args.rollout_task_type, len(skip))
     _fetch(args, rollout_id, data_source, session, counts)
+    _pause_after_step(args, session)
     groups = data_source.get_samples(args.rollout_batch_size)
     try:
         shaped = finish_step(args, groups, counts)
@@ -237,7 +283,10 @@ def _fetch(args: Any, rollout_id: int, data_source: Any, session: _Session, coun
     patience = getattr(args, "fetch_trajectory_retry_times", -1)
     waited = 0
     while (held := data_source.get_buffer_length()) < args.rollout_batch_size:
-        batch = session.client.get_rollout_data(task_type=args.rollout_task_type, wait_s=WAIT_S)
+        # Only what the step still needs: groups read ahead would age in the data source,
+        # past the buffer's staleness bound, and the buffer learns the batch size it serves.
+        wanted = (args.rollout_batch_size - held) * n
+        batch = session.client.get_rollout_data(wanted, task_type=args.rollout_task_type, wait_s=WAIT_S)
         if batch.finished_groups:
             recorded = list((data_source.get_metadata() or {}).get(str(rollout_id), []))
             data_source.update_metadata({str(rollout_id): recorded + batch.finished_groups})

@@ -39,6 +39,10 @@ class TaskSettings:
     min_valid_item_size_ratio: float = 0.7
     min_timeout_group_size_ratio: float = 0.7
     reward_key: str | None = None
+    #: The bound on a group's version lag when served (None: no bound; ``buffer.policy``).
+    max_staleness: int | None = None
+    #: The task's share in mixed reads (None: 1, and the task takes part only when named).
+    weight: float | None = None
 
 
 class Record(NamedTuple):

@@ -10,6 +10,9 @@ from typing import Any
 
 from buffer.toolkit import MathReward, prompt_messages, run_rollouts
 
+#: The /start_rollout fields read beyond the toolkit's: none (any other is refused with a 422).
+START_ROLLOUT_FIELDS: tuple[str, ...] = ()
+
 TASK_TYPE = "math"
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."

@@ -16,6 +16,9 @@ TASK_TYPE = "calculator"
 
 DATA = Path(__file__).parent / "data" / "calculator.jsonl"
 
+#: The /start_rollout fields read beyond the toolkit's: none (any other is refused with a 422).
+START_ROLLOUT_FIELDS: tuple[str, ...] = ()
+
 
 CALCULATOR = Tool(
     name="calculator",

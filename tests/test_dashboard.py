@@ -139,7 +139,7 @@ def test_dashboard_draws_live_charts_jobs_and_failed_generators(
 ) -> None:
     with httpx.Client(base_url=service, timeout=10.0, trust_env=False) as client:
         data = client.get("/dashboard/data").json()
-        assert set(data) == {"history", "stats", "jobs", "generators", "generator_errors"}
+        assert set(data) == {"history", "stats", "policy", "jobs", "generators", "generator_errors"}
         assert [error["task_type"] for error in data["generator_errors"]] == ["broken"]
 
         started_rollout = client.post("/start_rollout", json={"task_type": "math"}).json()

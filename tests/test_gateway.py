@@ -292,6 +292,20 @@ def test_a_paused_generation_answers_503_with_retry_after(make_client: Any, engi
     assert client.get(f"/sessions/{session['session_id']}").json()["data"]["calls"] == 0
 
 
+def test_the_trainer_s_pause_holds_the_agents_calls_until_it_resumes(make_client: Any, engine: str) -> None:
+    client = make_client(group_size=2)
+    client.app.state.gateway.config = GatewayConfig(pause_wait_s=0.2, retry_after_s=3)
+    session = open_session(client, engine)
+    call = f"/sessions/{session['session_id']}/v1/chat/completions"
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+    assert client.post("/policy/pause", json={"mode": "drain"}).status_code == 200
+    held = client.post(call, json=body)
+    assert held.status_code == 503
+    assert held.headers["retry-after"] == "3"
+    assert client.post("/policy/resume", json={"version": 1}).status_code == 200
+    assert client.post(call, json=body).status_code == 200
+
+
 def test_a_session_never_ended_times_out_as_its_task_says(make_client: Any, engine: str) -> None:
     client = make_client(group_size=2)
     gateway = client.app.state.gateway

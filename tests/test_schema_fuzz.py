@@ -133,6 +133,10 @@ def _call_and_validate(case: schemathesis.Case, app: FastAPI) -> None:
         for key in ("wait_s", "timeout"):
             if key in case.body:
                 case.body[key] = _bounded_wait(case.body[key])
+    if case.operation.path == "/policy/watch":  # a long poll of 30 s unless told
+        query = case.query if isinstance(case.query, dict) else {}
+        query["wait_s"] = _bounded_wait(query.get("wait_s", MAX_WAIT_S))
+        case.query = query
     case.call_and_validate(app=app, excluded_checks=EXCLUDED_CHECKS)
 
 

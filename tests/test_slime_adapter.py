@@ -43,6 +43,7 @@ class FakeBuffer:
         self.queues: dict[str, list[list[dict[str, Any]]]] = {}
         self.job_list: list[JobInfo] = []
         self.late: dict[str, list[list[dict[str, Any]]]] = {}
+        self.policy_calls: list[tuple[str, Any]] = []
 
     def start_rollout(self, task_type: str, *, restart: bool = False, **payload: Any) -> None:
         name = payload.get("rollout_name") or task_type
@@ -60,6 +61,18 @@ class FakeBuffer:
         items = queue.pop(0) if queue else []
         finished = sorted({item["instance_id"] for item in items}, key=str)
         return RolloutBatch(items=items, meta_info={"finished_groups": finished})
+
+    def set_policy_version(self, version: int) -> dict[str, Any]:
+        self.policy_calls.append(("version", version))
+        return {}
+
+    def pause_generation(self, mode: str = "abort", **_: Any) -> dict[str, Any]:
+        self.policy_calls.append(("pause", mode))
+        return {}
+
+    def resume_generation(self, version: int | None = None) -> dict[str, Any]:
+        self.policy_calls.append(("resume", version))
+        return {}
 
     def jobs(self) -> list[JobInfo]:
         for job in self.job_list:

@@ -194,3 +194,22 @@ def test_evaluation_returns_raw_rewards_of_every_sample_per_data_set(args: Simpl
     logged = log_eval_rollout_data(5, args, output.data, output.metrics)
     assert logged["eval/arith"] == sum(result["rewards"]) / 10
     assert "eval/arith-pass@2" in logged
+
+
+def test_each_step_sets_the_policy_version_and_pauses_generation_until_the_next(
+    args: SimpleNamespace,
+) -> None:
+    args.rollout_buffer_pause = "abort"
+    args.rollout_buffer_max_staleness = 1
+    args.num_epoch = 3
+    source = DataSource()
+    for step in range(3):
+        samples, _ = generate(args, slime_rollout.generate_rollout, step, source)
+        policy = buffer_get(args.rollout_buffer_url, "/policy")
+        assert policy["version"] == step
+        assert policy["paused"] is True  # held while slime trains and syncs the weights
+        for sample in samples:
+            assert step - sample.metadata["policy_version_min"] <= 1
+    assert buffer_get(args.rollout_buffer_url, "/policy")["admission"]["math"]["max_staleness"] == 1
+    slime_rollout.generate_rollout(args, 3, source)
+    assert buffer_get(args.rollout_buffer_url, "/policy")["version"] == 3

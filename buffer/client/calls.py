@@ -109,3 +109,19 @@ def cancel_job(job_id: str) -> Call[JobInfo]:
 STATS = Call("GET", "/buffer/stats", _parse_stats)
 JOBS = Call("GET", "/jobs", _parse_jobs)
 HEALTH = Call("GET", "/health", _parse_dict)
+POLICY = Call("GET", "/policy", _parse_dict)
+
+
+def set_policy_version(version: int) -> Call[dict[str, Any]]:
+    return Call("POST", "/policy", _parse_dict, {"version": version})
+
+
+def pause_generation(mode: str, engine_urls: list[str] | None, timeout_s: float) -> Call[dict[str, Any]]:
+    body: dict[str, Any] = {"mode": mode, "timeout_s": timeout_s}
+    if engine_urls is not None:
+        body["engine_urls"] = engine_urls
+    return Call("POST", "/policy/pause", _parse_dict, body, timeout_s)
+
+
+def resume_generation(version: int | None) -> Call[dict[str, Any]]:
+    return Call("POST", "/policy/resume", _parse_dict, {} if version is None else {"version": version})

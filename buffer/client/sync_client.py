@@ -96,6 +96,23 @@ class RolloutBufferClient(ClientBase):
     def health(self) -> dict[str, Any]:
         return self._call(calls.HEALTH)
 
+    def policy(self) -> dict[str, Any]:
+        """The policy version the buffer knows and whether generation is paused."""
+        return self._call(calls.POLICY)
+
+    def set_policy_version(self, version: int) -> dict[str, Any]:
+        """The engines now serve ``version`` (versions only go up: a lower one is a 409)."""
+        return self._call(calls.set_policy_version(version))
+
+    def pause_generation(
+        self, mode: str = "abort", *, engine_urls: list[str] | None = None, timeout_s: float = 60.0
+    ) -> dict[str, Any]:
+        """Hold the generators' engine requests around a weight update (``abort`` or ``drain``)."""
+        return self._call(calls.pause_generation(mode, engine_urls, timeout_s))
+
+    def resume_generation(self, version: int | None = None) -> dict[str, Any]:
+        return self._call(calls.resume_generation(version))
+
     def _call(self, call: Call[_T]) -> _T:
         options = self._request_options(call)
         retrying = Retrying(**self._retry_options())

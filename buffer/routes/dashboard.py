@@ -57,6 +57,7 @@ async def data(
     body: dict[str, Any] = {
         "history": history,
         "stats": svc.buffer.stats(),
+        "policy": svc.buffer.policy.snapshot(),
         "jobs": [svc.jobs.describe(job) for job in svc.jobs.list()],
         "generators": [generator.describe() for generator in svc.registry.generators.values()],
         "generator_errors": [error.describe() for error in svc.registry.errors],

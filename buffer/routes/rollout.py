@@ -11,6 +11,8 @@ from starlette.responses import Response
 
 from buffer.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE
 from buffer.models import GetRolloutDataRequest, StartRolloutRequest, check_storable
+from buffer.policy.fields import check_start_fields
+from buffer.policy.state import register_policy, set_current_policy
 from buffer.registry import Generator
 from buffer.responses import items_response, json_response
 from buffer.services import Services, local_url, services
@@ -29,6 +31,7 @@ async def start_rollout(body: StartRolloutRequest, svc: Annotated[Services, Depe
     check_storable(body)  # before anything starts: the job's data is journaled as it came
     await asyncio.to_thread(svc.registry.refresh)  # pick up new and edited generator files
     generator = svc.registry.get(body.task_type)
+    check_start_fields(body.model_extra or {}, generator.module, _toolkit_fields())
     name = body.rollout_name or body.task_type
     async with svc.jobs.lock(name):
         return await _start(body, generator, name, svc)
@@ -46,6 +49,7 @@ async def _start(body: StartRolloutRequest, generator: Generator, name: str, svc
         else:
             svc.buffer.configure_task(name, settings, generator.hooks, hooks_source=body.task_type)
         await svc.buffer.wait_durable()
+        _start_admission(svc, name, settings, body)
         job = svc.jobs.start(generator, data, name=name)
         message = "Rollout started"
     else:
@@ -58,6 +62,27 @@ async def _start(body: StartRolloutRequest, generator: Generator, name: str, svc
             "job_id": job.id,
             "job": svc.jobs.describe(job),
         }
+    )
+
+
+def _toolkit_fields() -> frozenset[str]:
+    from buffer.toolkit.runner import RolloutSettings  # the toolkit is loaded with the first job
+
+    return frozenset(RolloutSettings.model_fields)
+
+
+def _start_admission(svc: Services, name: str, settings: TaskSettings, body: StartRolloutRequest) -> None:
+    """Let the job's generator find the buffer's policy, and count its admissions from now."""
+    policy = svc.buffer.policy
+    register_policy(local_url(svc.settings), policy)
+    set_current_policy(policy)  # the job's task is created in this context
+    policy.gate.reset_stats()
+    in_flight = body.num_process or 100
+    policy.start_admission(
+        name,
+        settings.max_staleness,
+        -(-in_flight // max(1, settings.group_size)),
+        lambda: svc.buffer.consumed_groups(name),
     )
 
 
@@ -91,9 +116,12 @@ async def get_rollout_data(
     body = body or GetRolloutDataRequest()
     check_storable(body)
     svc.check_task(body.task_type)
+    for task_type in body.mix or ():
+        svc.check_task(task_type)
     if body.wait_s and not await svc.wait_for_items(request, body.task_type, 1, body.wait_s):
         return Response(status_code=499)  # the client has gone: read nothing it would lose
-    result = svc.buffer.read(body.task_type, None if body.batch_size in (None, -1) else body.batch_size)
+    max_items = None if body.batch_size in (None, -1) else body.batch_size
+    result = svc.buffer.read(body.task_type, max_items, mix=body.mix)
     await svc.buffer.wait_durable()  # a group handed out is never handed out again, even after a crash
     items = [item for group in result.groups for item in group.items]
     if not result.groups:

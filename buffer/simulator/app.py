@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from buffer.simulator.config import SimConfig
+from buffer.simulator.control import Control, install_control
 from buffer.simulator.conversation import SimMessage, parse_output, parse_prompt
 from buffer.simulator.engines import (
     ChatChoice,
@@ -146,6 +147,8 @@ class Simulator:
         self.rng = random.Random(config.seed)
         self.stats = SimStats()
         self.outage = Outage()
+        #: SGLang's pause, continue and weight updates (``buffer.simulator.control``).
+        self.control = Control()
         self.weight_version = config.weight_version
 
     # Errors
@@ -158,6 +161,11 @@ class Simulator:
         return json_response(
             {"error": {"message": message, "type": error_type, "param": param, "code": status}}, status
         )
+
+    @property
+    def abort_rate(self) -> float:
+        """The configured rate; 1 while re-composing the answers a pause aborted."""
+        return 1.0 if self.control.aborting else self.config.abort_rate
 
     def down(self) -> bool:
         return self.outage.active
@@ -189,6 +197,7 @@ class Simulator:
         stats.enter()
         streaming = False
         try:
+            await self.control.hold()  # paused: a new request waits for /continue_generation
             if self.down():
                 return self.outage_response()
             started = time.monotonic()
@@ -208,7 +217,10 @@ class Simulator:
             latency_s = config.sample_latency_s(self.rng)
             if not stream:
                 latency_s += config.latency_per_token_s * longest
-            await asyncio.sleep(max(0.0, latency_s - (time.monotonic() - started)))
+            if await self.control.sleep(max(0.0, latency_s - (time.monotonic() - started))):
+                answer = self.control.recompose(prepare, reply_rng)  # aborted by a pause
+                if isinstance(answer, Response):
+                    return answer
             if self.rng.random() < config.error_rate:
                 status = self.rng.choice((500, 503))
                 stats.by_status[status] += 1
@@ -280,7 +292,7 @@ class Simulator:
                 plan,
                 limits,
                 self.config.accuracy,
-                self.config.abort_rate,
+                self.abort_rate,
                 reply_rng,
                 self.rng,
                 open_reply.ids if open_reply else None,
@@ -404,7 +416,7 @@ class Simulator:
                 prompt.plan,
                 limits,
                 self.config.accuracy,
-                self.config.abort_rate,
+                self.abort_rate,
                 reply_rng,
                 self.rng,
                 prompt.partial_ids,
@@ -488,7 +500,7 @@ class Simulator:
             prompt.plan,
             limits,
             self.config.accuracy,
-            self.config.abort_rate,
+            self.abort_rate,
             reply_rng,
             self.rng,
             prompt.partial_ids,
@@ -533,6 +545,7 @@ def create_sim_app(config: SimConfig | None = None, model: SimModel | None = Non
     app.state.stats = stats
     app.state.outage = outage
     app.state.simulator = sim
+    install_control(app, sim)
 
     @app.get("/health")
     async def health() -> Response:

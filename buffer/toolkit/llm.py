@@ -46,6 +46,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
+from buffer.policy.gate import Gate
 from buffer.toolkit.engines import (
     AnswerShapeError,
     Engine,
@@ -175,6 +176,9 @@ class EngineClient:
         self.retry = retry or RetryPolicy()
         self.continuation = continuation or ContinuePolicy()
         self.stats = LLMStats()
+        #: Closed while the trainer updates the weights (``buffer.policy``): every request
+        #: waits at it, and time spent closed counts against no retry budget.
+        self.gate: Gate | None = None
         self._headers = {"content-type": "application/json"}
         if api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
@@ -232,7 +236,9 @@ class EngineClient:
         except (_RetryableStatus, Unreachable) as exc:
             first_failure: BaseException | None = exc
         policy = self.retry
-        stop: stop_base = stop_before_delay(policy.max_retry_s)
+        stop: stop_base = (
+            stop_before_delay(policy.max_retry_s) if self.gate is None else _StopOpenTime(policy, self.gate)
+        )
         if policy.max_attempts is not None:
             stop = stop | _StopAfterSent(sent, policy.max_attempts)
         retrying = AsyncRetrying(
@@ -261,6 +267,8 @@ class EngineClient:
         """One attempt: to the engine the pool picks, and at once to another one while the
         picked engine cannot be reached and another is healthy."""
         while True:
+            if self.gate is not None:  # paused for a weight update: nothing is sent until resumed
+                await self.gate.enter()
             engine = self.pool.pick(key)
             self.stats.requests += 1
             sent[0] += 1
@@ -278,6 +286,8 @@ class EngineClient:
                 raise
             finally:
                 self.pool.release(engine)
+                if self.gate is not None:
+                    self.gate.leave()
             return self._answer(reply)
 
     def _answer(self, reply: Reply) -> dict[str, Any]:
@@ -459,6 +469,20 @@ def _sampling_record(sampling: dict[str, Any], seed: int | None) -> dict[str, An
 
 def _is_plain(value: Any) -> bool:
     return value is None or isinstance(value, (str, int, float, bool, list, dict))
+
+
+class _StopOpenTime(stop_base):
+    """``stop_before_delay`` on the time the gate was open: a pause spends no retry budget."""
+
+    def __init__(self, policy: RetryPolicy, gate: Gate) -> None:
+        self._max_s = policy.max_retry_s
+        self._gate = gate
+        self._started = time.monotonic()
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        now = time.monotonic()
+        open_s = now - self._started - self._gate.paused_between(self._started, now)
+        return open_s + (retry_state.upcoming_sleep or 0.0) >= self._max_s
 
 
 class _Wait:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import copy
 import functools
 import inspect
 import itertools
@@ -26,13 +27,18 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Annotated, Any
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from buffer.jobs import current_job
+from buffer.policy import find_policy
+from buffer.policy.admission import Admits
+from buffer.policy.gate import Gate, recording
+from buffer.policy.remote import RemotePolicy
+from buffer.policy.stamp import stamp
 from buffer.toolkit.agent import single_turn
 from buffer.toolkit.dataset import Plan, ResumePoint, read_rows
 from buffer.toolkit.engines import Engine
@@ -40,7 +46,7 @@ from buffer.toolkit.failfast import FailFast, MisconfiguredEngine
 from buffer.toolkit.llm import ChatClient, ContinuePolicy, EngineClient, LLMStats, RetryPolicy
 from buffer.toolkit.pool import group_key, routing_key
 from buffer.toolkit.records import turn_records
-from buffer.toolkit.sink import RejectedTrajectory, TrajectorySink, open_sink
+from buffer.toolkit.sink import HttpSink, RejectedTrajectory, TrajectorySink, open_sink
 from buffer.toolkit.tito import TokenClient, TokenEngine, TokenRenderer, load_tokenizer
 from buffer.toolkit.transport import Transport
 from buffer.toolkit.types import Completion, Episode, GroupRewardFn, Message, RewardFn, Sample
@@ -102,6 +108,11 @@ class RolloutSettings(BaseModel):
     fail_fast_after: int = Field(
         20, ge=1, description="trajectories in a row refused with the same 4xx before the run fails"
     )
+    follow_policy: bool = Field(
+        True,
+        description="writing to a buffer in another process: mirror its pauses and staleness bound "
+        "(GET /policy/watch, POST /policy/admit); false: ignore them",
+    )
 
     def sampling(self) -> dict[str, Any]:
         params = dict(self.sampling_params)
@@ -138,6 +149,8 @@ class Progress:
     response_tokens_sum: int = 0
     response_tokens_count: int = 0
     started_at: float = field(default_factory=time.monotonic)
+    #: The gate the run's engine requests pass, under a buffer's policy (``buffer.policy``).
+    gate: Gate | None = None
 
     @property
     def in_flight(self) -> int:
@@ -167,10 +180,10 @@ class Progress:
     def snapshot(self) -> dict[str, Any]:
         """Plain numbers for the job: the latency buckets cumulative, keyed by their bound."""
         elapsed = time.monotonic() - self.started_at
-        hidden = ("started_at", "task_type", "latency_counts", "latency_sum_s")
+        hidden = ("started_at", "task_type", "latency_counts", "latency_sum_s", "gate")
         cumulative = list(itertools.accumulate(self.latency_counts))
         return {
-            **{k: v for k, v in asdict(self).items() if k not in hidden},
+            **{f.name: copy.copy(getattr(self, f.name)) for f in fields(self) if f.name not in hidden},
             "in_flight": self.in_flight,
             "elapsed_s": round(elapsed, 1),
             "trajectories_per_s": round(self.completed / elapsed, 2) if elapsed > 0 else 0.0,
@@ -180,6 +193,20 @@ class Progress:
             },
             "latency_s_count": cumulative[-1],
             "latency_s_sum": round(self.latency_sum_s, 6),
+            **self._gate_figures(),
+        }
+
+    def _gate_figures(self) -> dict[str, float]:
+        """Under a buffer's policy: seconds paused, seconds open, and the integral of engine
+        requests in flight over the open time (``gate_busy_s / gate_open_s``: their mean)."""
+        if self.gate is None:
+            return {}
+        gate = self.gate.snapshot()
+        open_s = float(gate["open_s"])
+        return {
+            "gate_paused_s": float(gate["paused_s"]),
+            "gate_open_s": open_s,
+            "gate_busy_s": round(float(gate["mean_in_flight_open"]) * open_s, 4),
         }
 
     def line(self) -> str:
@@ -247,9 +274,26 @@ async def run_rollouts(
         if own_llm:
             await llm.aclose()
         raise
+    policy = find_policy(settings.remote_buffer_url)
+    remote: RemotePolicy | None = None
+    if policy is None and settings.remote_buffer_url and settings.follow_policy:
+        authorization = sink.authorization if isinstance(sink, HttpSink) else None
+        remote = await RemotePolicy.connect(settings.remote_buffer_url, settings.task_type, authorization)
+    gate = policy.gate if policy is not None else remote.gate if remote is not None else None
+    if gate is not None and llm.gate is None:  # obey the buffer's pauses
+        llm.gate = gate
+    if llm.gate is not None:
+        if remote is not None:
+            llm.gate.reset_stats()  # a mirror of its own: from this run's start
+        progress.gate = llm.gate
     run = _Run(
         settings, progress, sink, functools.partial(rollout, llm, **settings.sampling()), reward, group_reward
     )
+    if policy is not None:
+        run.admission = policy.admission(settings.task_type)
+    elif remote is not None:
+        run.admission = remote.admission
+    run.stamp_versions = gate is not None
     run.leases = data.get("leases")
     publish = functools.partial(_publish, progress, llm.stats, llm.stats.copy())
     reporter = asyncio.create_task(
@@ -267,6 +311,8 @@ async def run_rollouts(
             await llm.aclose()
         if own_sink:
             await sink.aclose()
+        if remote is not None:
+            await remote.aclose()
     return progress
 
 
@@ -329,6 +375,10 @@ class _Run:
         self.fail_fast = FailFast(settings.fail_fast_after)
         self.fatal: MisconfiguredEngine | None = None
         self.tasks: set[asyncio.Task[None]] = set()
+        #: Demand-driven generation: a group starts only when admitted (``buffer.policy``).
+        self.admission: Admits | None = None
+        self.stamp_versions = False
+        self.versions: dict[int, list[int]] = {}  # by id(sample): its requests' versions
         self.failure_kinds: set[str] = set()  # each kind of failure is logged once, with its reason
         self.leases: dict[str, Any] | None = None  # work leases from the buffer (data["leases"])
 
@@ -340,8 +390,13 @@ class _Run:
             tasks.discard(task)
             slots.release()
 
+        last_group: tuple[int, Any] | None = None
         try:
             async for sample in _samples(plan, self.settings.task_type, self.leases):
+                group = (sample.epoch, sample.instance_id)
+                if self.admission is not None and group != last_group:
+                    await self.admission.admit()
+                last_group = group
                 await slots.acquire()
                 if self.fatal is not None:
                     break
@@ -363,6 +418,8 @@ class _Run:
             raise self.fatal
 
     async def one(self, sample: Sample) -> None:
+        if self.stamp_versions:  # in this task's own context: only its requests are recorded
+            self.versions[id(sample)] = recording()
         # This task's requests carry the group's key: its samples stay on one engine.
         routing_key.set(group_key(self.settings.task_type, sample.epoch, sample.instance_id))
         try:
@@ -496,6 +553,9 @@ class _Run:
         turns = turn_records(messages, completions) if episode is not None else None
         if turns is not None:
             trajectory["turns"] = turns
+        versions = self.versions.pop(id(sample), None)
+        if versions is not None:
+            stamp(trajectory, completions, versions)
         return trajectory
 
 

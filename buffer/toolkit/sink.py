@@ -97,6 +97,12 @@ class HttpSink:
         self.written = 0
         self.rejected = 0
 
+    @property
+    def authorization(self) -> str | None:
+        """The ``Authorization`` header this sink sends (others talking to the same buffer for
+        it, such as its policy, send the same and no other)."""
+        return self._headers.get("authorization")
+
     async def write(self, trajectory: dict[str, Any]) -> None:
         """Queue a trajectory; waits when ``max_pending`` are already queued (backpressure)."""
         if self._flusher is None:

@@ -1,0 +1,22 @@
+"""Asynchronous RL under control: policy versions, pause and resume, staleness, admission, mixing.
+
+``Policy`` (one per buffer) holds the version the engines serve and the ``Gate`` every engine
+request of an in-process generator passes; ``Admission`` keeps a generator at most
+``max_staleness + 1`` reads ahead of the trainer; ``mixing.allocate`` shares a read between tasks.
+"""
+
+from buffer.policy.admission import Admission
+from buffer.policy.gate import Gate
+from buffer.policy.state import Policy, PolicyError, find_policy, register_policy
+from buffer.policy.versions import group_versions, trajectory_versions
+
+__all__ = [
+    "Admission",
+    "Gate",
+    "Policy",
+    "PolicyError",
+    "find_policy",
+    "group_versions",
+    "register_policy",
+    "trajectory_versions",
+]

@@ -1,0 +1,174 @@
+"""The policy the engines serve, as the trainer reports it, and what the buffer does with it."""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, Literal
+
+from buffer.errors import RolloutBufferError
+from buffer.policy.admission import Admission
+from buffer.policy.gate import Gate
+from buffer.policy.signal import Signal
+
+PauseMode = Literal["abort", "drain"]
+#: Upper bounds of the served-lag histogram (versions; +Inf implied).
+LAG_BUCKETS = (0, 1, 2, 3, 4, 8, 16)
+
+
+class PolicyError(RolloutBufferError):
+    """A version lower than the current one: versions only go up."""
+
+    status_code = 409
+
+
+class Policy:
+    """One buffer's policy version, pause state, admissions and their counters; thread-safe.
+
+    ``version`` stays None until the trainer first says one; until then nothing is stale and
+    no lag is measured (a trainer that never calls ``/policy`` sees the buffer as before)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._lock = threading.Lock()
+        self.version: int | None = None
+        self.gate = Gate(clock)
+        self.mode: PauseMode | None = None
+        self.engine_urls: list[str] = []
+        self.admissions: dict[str, Admission] = {}
+        #: Served groups by version lag (trainer's version - the group's lowest).
+        self.lag: Counter[int] = Counter()
+        self.lag_sum = 0
+        self.served_groups: Counter[str] = Counter()
+        self.served_items: Counter[str] = Counter()
+        self.stale: Counter[str] = Counter()
+        self.mixed_reads = 0
+        self.short_reads = 0
+        #: Notified when the version or the pause state changes (``GET /policy/watch``).
+        self.changed = Signal()
+
+    # -- versions and pause --------------------------------------------------------------
+
+    def set_version(self, version: int) -> None:
+        with self._lock:
+            if self.version is not None and version < self.version:
+                raise PolicyError(f"version {version} is lower than the current version {self.version}")
+            self.version = version
+            self.gate.version = version
+        self.notify()
+        self.changed.notify()
+
+    def pause(self, mode: PauseMode) -> bool:
+        """Close the gate; False when it already was."""
+        self.mode = mode
+        closed = self.gate.pause()
+        self.changed.notify()
+        return closed
+
+    def resume(self, version: int | None) -> None:
+        if version is not None:
+            self.set_version(version)
+        self.mode = None
+        self.gate.resume(self.version)
+        self.changed.notify()
+
+    def state(self) -> dict[str, Any]:
+        """What a generator elsewhere mirrors: the version and whether it may send requests."""
+        return {"version": self.version, "paused": self.gate.paused}
+
+    # -- admission ---------------------------------------------------------------------
+
+    def admission(self, task_type: str) -> Admission | None:
+        return self.admissions.get(task_type)
+
+    def start_admission(
+        self, task_type: str, max_staleness: int | None, batch_groups: int, consumed: Callable[[], int]
+    ) -> Admission:
+        """A new admission for a generator starting on ``task_type``: it counts from now."""
+        admission = Admission(max_staleness, batch_groups, consumed)
+        with self._lock:
+            old = self.admissions.get(task_type)
+            if old is not None:
+                admission.batch_groups = max(admission.batch_groups, old.batch_groups)
+            self.admissions[task_type] = admission
+        return admission
+
+    def notify(self) -> None:
+        for admission in list(self.admissions.values()):
+            admission.notify()
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def lag_of(self, span: tuple[int, int] | None) -> int | None:
+        """How many versions the trainer is ahead of a group's lowest; None when unknown."""
+        if span is None or self.version is None:
+            return None
+        return max(0, self.version - span[0])
+
+    def served(self, task_type: str, items: int, lag: int | None) -> None:
+        with self._lock:
+            self.served_groups[task_type] += 1
+            self.served_items[task_type] += items
+            if lag is not None:
+                self.lag[lag] += 1
+                self.lag_sum += lag
+
+    def count_stale(self, task_type: str, groups: int) -> None:
+        with self._lock:
+            self.stale[task_type] += groups
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            total = sum(self.served_groups.values())
+            return {
+                "version": self.version,
+                "paused": self.gate.paused,
+                "mode": self.mode,
+                "engine_urls": list(self.engine_urls),
+                "gate": self.gate.snapshot(),
+                "served_groups": dict(self.served_groups),
+                "shares": {task: round(n / total, 4) for task, n in self.served_groups.items()}
+                if total
+                else {},
+                "stale_groups": dict(self.stale),
+                "lag": {str(lag): count for lag, count in sorted(self.lag.items())},
+                "mixed_reads": self.mixed_reads,
+                "short_reads": self.short_reads,
+                "admission": {task: a.snapshot() for task, a in self.admissions.items()},
+            }
+
+
+_registry: dict[str, Policy] = {}
+_registry_lock = threading.Lock()
+
+
+def _key(url: str) -> str:
+    return url.rstrip("/").removesuffix("/v1")
+
+
+def register_policy(buffer_url: str, policy: Policy) -> None:
+    """Let in-process generators that write to ``buffer_url`` find its policy."""
+    with _registry_lock:
+        _registry[_key(buffer_url)] = policy
+
+
+_current: contextvars.ContextVar[Policy | None] = contextvars.ContextVar("current_policy", default=None)
+
+
+def set_current_policy(policy: Policy) -> None:
+    """Make ``policy`` the one generators started from this context find (a job's task
+    copies the context it was created in)."""
+    _current.set(policy)
+
+
+def find_policy(buffer_url: str | None) -> Policy | None:
+    """The policy of the service whose job this is, or of the one at ``buffer_url`` if it
+    runs in this process; None for a generator writing to a buffer elsewhere."""
+    if (policy := _current.get()) is not None:
+        return policy
+    if not buffer_url:
+        return None
+    with _registry_lock:
+        return _registry.get(_key(buffer_url))

@@ -1,0 +1,134 @@
+"""SGLang's weight-update controls, simulated: pause, continue, update weights from disk.
+
+- ``POST /pause_generation {"mode": "abort" | "in_place" | "retract"}``: requests arriving
+  while paused wait for ``/continue_generation``; with ``abort`` (SGLang's default) every
+  request in flight is answered at once with ``finish_reason: "abort"`` and the tokens it had
+  so far, as SGLang aborts them.
+- ``POST /continue_generation``: requests go on.
+- ``POST /update_weights_from_disk {"model_path", "weight_version"?, "abort_all_requests"?}``:
+  the reported weight version becomes the one given, else the next integer.
+- ``GET /get_weight_version`` answers it; ``GET /control`` the pause state and counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict
+from starlette.responses import JSONResponse, Response
+
+if TYPE_CHECKING:
+    from buffer.simulator.app import Simulator
+
+_A = TypeVar("_A")
+
+
+class PauseBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    mode: str = "abort"
+
+
+class UpdateWeightsBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model_path: str | None = None
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+
+
+@dataclass(slots=True)
+class Control:
+    """The simulator's pause state; the weight version is the simulator's own."""
+
+    paused: bool = False
+    pauses: int = 0
+    aborted: int = 0
+    #: True while an aborted request's answer is composed again, cut short (``recompose``).
+    aborting: bool = False
+    _resumed: asyncio.Event = field(default_factory=asyncio.Event)
+    _abort: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self._resumed.set()
+
+    def pause(self, mode: str) -> None:
+        self.paused = True
+        self.pauses += 1
+        self._resumed.clear()
+        if mode == "abort":
+            self.abort_all()
+
+    def resume(self) -> None:
+        self.paused = False
+        self._resumed.set()
+
+    def abort_all(self) -> None:
+        self._abort.set()
+        self._abort = asyncio.Event()
+
+    async def hold(self) -> None:
+        """Wait while paused."""
+        await self._resumed.wait()
+
+    async def sleep(self, seconds: float) -> bool:
+        """Sleep through a request's latency; True if a pause aborted it first."""
+        abort = self._abort
+        aborted = asyncio.ensure_future(abort.wait())
+        try:
+            done, _ = await asyncio.wait({aborted}, timeout=seconds)
+        finally:
+            aborted.cancel()
+        if done:
+            self.aborted += 1
+        return bool(done)
+
+    def recompose(self, prepare: Callable[[random.Random], _A], rng: random.Random) -> _A:
+        """The answer again, every choice aborted part way (its tokens so far)."""
+        self.aborting = True
+        try:
+            return prepare(rng)
+        finally:
+            self.aborting = False
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"paused": self.paused, "pauses": self.pauses, "aborted": self.aborted}
+
+
+def install_control(app: FastAPI, sim: Simulator) -> None:
+    """Add the control routes to the simulator ``app``."""
+    control = sim.control
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseBody | None = None) -> Response:
+        control.pause((body or PauseBody()).mode)
+        return JSONResponse({"success": True, "message": "Generation paused"})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Response:
+        control.resume()
+        return JSONResponse({"success": True, "message": "Generation continued"})
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsBody) -> Response:
+        if body.abort_all_requests:
+            control.abort_all()
+        current = str(sim.weight_version)
+        new = body.weight_version or (str(int(current) + 1) if current.isdigit() else "1")
+        sim.weight_version = new
+        return JSONResponse(
+            {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        )
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> Response:
+        return JSONResponse({"weight_version": sim.weight_version})
+
+    @app.get("/control")
+    async def get_control() -> Response:
+        return JSONResponse({**control.snapshot(), "weight_version": sim.weight_version})
