@@ -640,3 +640,16 @@ def test_the_check_command_says_sound_damaged_or_repaired_in_its_exit_status(
     code, said = check(str(tmp_path / "nowhere"))
     assert code == 2
     assert "no such folder" in said
+
+
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 1500])
+def test_rows_inserted_in_multi_row_statements_land_all_in_order(tmp_path: Path, count: int) -> None:
+    """The writer inserts a commit's rows in a few statements of a power of two of rows each:
+    every row lands, in order, whatever the count (an odd one, more than one statement holds)."""
+    db = journal_module.connect(tmp_path / "t.sqlite3")
+    db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, header TEXT NOT NULL, payload BLOB NOT NULL)")
+    rows = [(i + 1, f'{{"e":"w","i":{i}}}', memoryview(bytes([i % 256]) * (i % 5))) for i in range(count)]
+    journal_module.insert(db, "t", rows)
+    stored = db.execute("SELECT id, header, payload FROM t ORDER BY id").fetchall()
+    assert stored == [(i, header, bytes(payload)) for i, header, payload in rows]
+    db.close()
