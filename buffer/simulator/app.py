@@ -167,6 +167,31 @@ class Simulator:
         """The configured rate; 1 while re-composing the answers a pause aborted."""
         return 1.0 if self.control.aborting else self.config.abort_rate
 
+    def draft(
+        self,
+        plan: ReplyPlan,
+        limits: Limits,
+        reply_rng: random.Random,
+        partial_ids: list[int] | None,
+        partial_text: str | None,
+        *,
+        logprobs: bool,
+    ) -> Generation:
+        """One reply of the simulated model to ``plan``, continuing ``partial_ids`` if given, with
+        this server's accuracy, abort rate and fault generator."""
+        return generate(
+            self.model,
+            plan,
+            limits,
+            self.config.accuracy,
+            self.abort_rate,
+            reply_rng,
+            self.rng,
+            partial_ids,
+            partial_text,
+            logprobs=logprobs,
+        )
+
     def down(self) -> bool:
         return self.outage.active
 
@@ -287,14 +312,10 @@ class Simulator:
         limits = Limits(request.token_limit, stop_strings(request.stop), tuple(request.stop_token_ids or ()))
         choices = []
         for _ in range(request.n):
-            generation = generate(
-                model,
+            generation = self.draft(
                 plan,
                 limits,
-                self.config.accuracy,
-                self.abort_rate,
                 reply_rng,
-                self.rng,
                 open_reply.ids if open_reply else None,
                 open_reply.text if open_reply else None,
                 logprobs=request.logprobs,
@@ -411,14 +432,10 @@ class Simulator:
         prompt = self.token_prompt(prompt_ids)
         limits = Limits(request.max_tokens, stop_strings(request.stop), tuple(request.stop_token_ids or ()))
         generations = [
-            generate(
-                model,
+            self.draft(
                 prompt.plan,
                 limits,
-                self.config.accuracy,
-                self.abort_rate,
                 reply_rng,
-                self.rng,
                 prompt.partial_ids,
                 prompt.partial_text,
                 logprobs=request.logprobs is not None,
@@ -495,14 +512,10 @@ class Simulator:
             tuple(params.get("stop_token_ids") or ()),
         )
         prompt = self.token_prompt(prompt_ids)
-        generation = generate(
-            model,
+        generation = self.draft(
             prompt.plan,
             limits,
-            self.config.accuracy,
-            self.abort_rate,
             reply_rng,
-            self.rng,
             prompt.partial_ids,
             prompt.partial_text,
             logprobs=request.return_logprob,
