@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from buffer.simulator.replies import GENERIC_REPLIES
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -46,12 +48,7 @@ _CORPUS = (
     "The tool returned 42.\nSo the answer is \\boxed{42}.",
     "I need the calculator for this expression, so I call it.",
     "The question is arithmetic, so I compute it one operation at a time.",
-    "I am a simulated language model without any knowledge. Ask me an arithmetic question, "
-    "such as what is 17 + 25, and I will work it out step by step.",
-    "This is a simulated reply from a server that has no model behind it. It answers arithmetic "
-    "questions like compute 3 * (4 + 5) and says something short like this otherwise.",
-    "Nothing here looks like arithmetic to me, so here is a generic answer of a reasonable length "
-    "from the simulated model. Try asking for 6 * 7 instead.",
+    *GENERIC_REPLIES,  # what the model says to anything but arithmetic
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
     '{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic '
