@@ -63,6 +63,9 @@ logger = logging.getLogger(__name__)
 CANCEL_WAIT_S = 5.0  # how long a cancel waits for an inline async generator to stop
 #: At most this many worker processes per job.
 MAX_WORKERS = 64
+#: The /start_rollout fields the service reads to run a job (not the generator): known for every
+#: generator, including one that lists the fields it reads in ``START_ROLLOUT_FIELDS``.
+JOB_FIELDS = frozenset({"num_workers", "ray_address"})
 #: A job whose worker is SIGKILLed runs again for what is missing at most this many times.
 MAX_WORKER_RESTARTS = 2
 Isolation = Literal["process", "inline"]

@@ -282,6 +282,9 @@ def test_start_rollout_refuses_fields_a_declaring_generator_does_not_read(
     assert refused.status_code == 422
     assert "weigths" in refused.text
     assert client.post("/start_rollout", json={"task_type": "legacy", "anything": 1}).status_code == 200
+    # The service's own job fields are fields of /start_rollout for every generator.
+    workers = client.post("/start_rollout", json={"task_type": "strict", "restart": True, "num_workers": 1})
+    assert workers.status_code == 200, workers.text
 
 
 # -- the simulator's controls ----------------------------------------------------------------------

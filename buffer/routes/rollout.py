@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from buffer.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE
+from buffer.jobs import JOB_FIELDS
 from buffer.models import GetRolloutDataRequest, StartRolloutRequest, check_storable
 from buffer.policy.fields import check_start_fields
 from buffer.policy.state import register_policy, set_current_policy
@@ -68,7 +69,7 @@ async def _start(body: StartRolloutRequest, generator: Generator, name: str, svc
 def _toolkit_fields() -> frozenset[str]:
     from buffer.toolkit.runner import RolloutSettings  # the toolkit is loaded with the first job
 
-    return frozenset(RolloutSettings.model_fields)
+    return frozenset(RolloutSettings.model_fields) | JOB_FIELDS
 
 
 def _start_admission(svc: Services, name: str, settings: TaskSettings, body: StartRolloutRequest) -> None:
