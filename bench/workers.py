@@ -1,21 +1,31 @@
-"""Generation in worker processes: throughput at C in flight and latency L, and memory.
+"""Generation throughput, issue 13's figure: a finite job, from ``/start_rollout`` to its last trajectory.
 
 Three kinds of processes: the simulated policy server (every request takes L), the rollout
-buffer, and the job's worker processes (``num_workers``, C trajectories in flight split between
-them). A generator with a trivial reward, so the figure is the plumbing's. This script plays the
-trainer, draining ``/get_rollout_data`` every second, and reports over ``--trajectories``:
+buffer, and the job's worker processes (``--workers``; C trajectories in flight split between
+them). This script plays the trainer, draining ``/get_rollout_data`` as it polls, and reports
+over ``--trajectories`` (the data set has trajectories / 8 rows, 8 samples each, one epoch):
 
 - steady state: trajectories per second between 20% and 80% of the run, against the ideal C/L;
-- overall: all of them, from ``/start_rollout`` to the last, against C/L;
-- the service's RSS and each worker's (peak sampled every second).
+- overall: all of them, from ``/start_rollout`` to the last one written, against C/L (worker
+  start-up and the first L, when nothing can finish yet, included);
+- each process's CPU per trajectory (simulator, service, each worker; from /proc, so other load
+  on the machine barely changes it) and peak resident memory.
+
+``--generator trivial`` is a generator with a constant-time reward, so the figure is the
+plumbing's; ``--generator math`` is the shipped math task (``generator/base_generator.py``,
+math-verify rewards). ``--abort-rate`` makes the engine abort that share of replies, which the
+toolkit continues from their tokens.
 
     .venv/bin/python bench/workers.py                                  # C=2000, L=1 s, 2 workers
-    .venv/bin/python bench/workers.py --concurrency 256 --latency-s 0.5 --workers 1
+    .venv/bin/python bench/workers.py --concurrency 256 --latency-s 0.5 --workers 1 --generator math
+    .venv/bin/python bench/workers.py --concurrency 64 --latency-s 0.2 --abort-rate 0.1 --workers 1 \
+        --generator math
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
@@ -25,89 +35,143 @@ from typing import Any
 import common
 import httpx
 
-GENERATOR = """
+TRIVIAL = """
 from buffer.toolkit import run_rollouts
 TASK_TYPE = "bench"
 
 async def run_rollout(data):
     await run_rollouts(data, reward=lambda sample, episode: float(sample.repeat % 2))
 """
+REPEATS = 8
 
 
-def measure(concurrency: int, latency_s: float, workers: int, trajectories: int) -> dict[str, Any]:
-    folder = Path(tempfile.mkdtemp(prefix="bench-workers-"))
-    generators = folder / "generator"
-    (generators / "data").mkdir(parents=True)
-    (generators / "bench_generator.py").write_text(GENERATOR)
-    repeats = 8
-    rows = trajectories // repeats
-    with (generators / "data" / "rows.jsonl").open("w") as out:
+def _data(folder: Path, rows: int) -> Path:
+    """``rows`` distinct arithmetic questions with their answers (what both generators read)."""
+    path = folder / "rows.jsonl"
+    with path.open("w") as out:
         for index in range(rows):
-            out.write(json.dumps({"instance_id": f"q{index}", "prompt": f"What is {index} + 1?"}) + "\n")
+            question = f"What is {index} + {index % 97 + 1}?"
+            label = str(index + index % 97 + 1)
+            out.write(json.dumps({"instance_id": f"q{index}", "prompt": question, "label": label}) + "\n")
+    return path
+
+
+def measure(
+    concurrency: int,
+    latency_s: float,
+    workers: int,
+    trajectories: int,
+    generator: str = "trivial",
+    abort_rate: float = 0.0,
+    poll_s: float = 0.25,
+) -> dict[str, Any]:
+    folder = Path(tempfile.mkdtemp(prefix="bench-workers-"))
+    if generator == "trivial":
+        generators = folder / "generator"
+        generators.mkdir()
+        (generators / "bench_generator.py").write_text(TRIVIAL)
+        task, max_tokens = "bench", 16
+    else:
+        generators, task, max_tokens = common.REPO / "generator", "math", 256
+    data = _data(folder, trajectories // REPEATS)
     simulator = common.Server(
-        module="buffer.simulator", extra_args=["--latency-mean-s", str(latency_s), "--seed", "0"]
+        module="buffer.simulator",
+        extra_args=["--latency-mean-s", str(latency_s), "--abort-rate", str(abort_rate), "--seed", "0"],
     )
-    service = common.Server(group_size=repeats, extra_args=["--generator-dir", str(generators)])
+    service = common.Server(group_size=REPEATS, extra_args=["--generator-dir", str(generators)])
     with simulator, service, httpx.Client(base_url=service.url, timeout=60.0) as client:
         payload = {
-            "task_type": "bench",
-            "input_file": str(generators / "data" / "rows.jsonl"),
+            "task_type": task,
+            "input_file": str(data),
             "remote_engine_url": simulator.url,
-            "num_repeat_per_sample": repeats,
+            "num_repeat_per_sample": REPEATS,
             "num_process": concurrency,
             "num_workers": workers,
-            "max_tokens": 16,
+            "num_epoch": 1,
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0},
         }
+        processes = {"simulator": simulator.pid, "service": service.pid}
+        cpu_before = {name: common.cpu_seconds(pid) for name, pid in processes.items()}
         started = time.monotonic()
         job = client.post("/start_rollout", json=payload).json()["job"]
         times: list[tuple[float, int]] = []
         peak_service = 0
         peak_workers: dict[int, int] = {}
+        worker_cpu: dict[int, float] = {}
         while True:
-            client.post("/get_rollout_data", json={"task_type": "bench", "batch_size": -1})
+            client.post("/get_rollout_data", json={"task_type": task, "batch_size": -1})
             state = client.get(f"/jobs/{job['id']}").json()["data"]
             times.append((time.monotonic() - started, state["counters"]["written"]))
             peak_service = max(peak_service, common.rss_bytes(service.pid))
             for worker in state["workers"]:
                 if worker["rss_bytes"]:
-                    peak_workers[worker["index"]] = max(
-                        peak_workers.get(worker["index"], 0), worker["rss_bytes"]
-                    )
+                    index = worker["index"]
+                    peak_workers[index] = max(peak_workers.get(index, 0), worker["rss_bytes"])
+                    with contextlib.suppress(OSError):  # it may have exited since
+                        worker_cpu[index] = common.cpu_seconds(worker["pid"])
             if state["status"] != "running":
                 break
-            time.sleep(1.0)
+            time.sleep(poll_s)
+        cpu_after = {name: common.cpu_seconds(pid) for name, pid in processes.items()}
         total = times[-1][1]
-        elapsed = times[-1][0]
+        finished = next(t for t in times if t[1] >= total)[0]  # the first poll that saw the last one
         low = next(t for t in times if t[1] >= 0.2 * total)
         high = next(t for t in times if t[1] >= 0.8 * total)
         steady = (high[1] - low[1]) / (high[0] - low[0]) if high[0] > low[0] else float("nan")
         ideal = concurrency / latency_s
+        per_trajectory_ms = {
+            name: round(1000 * (cpu_after[name] - cpu_before[name]) / max(1, total), 3) for name in processes
+        }
         return {
             "C": concurrency,
             "L_s": latency_s,
+            "aborts": abort_rate,
+            "generator": generator,
             "workers": workers,
             "status": state["status"],
             "trajectories": total,
             "steady_per_s": round(steady, 1),
             "steady_pct": round(100 * steady / ideal, 1),
-            "overall_per_s": round(total / elapsed, 1),
-            "overall_pct": round(100 * total / elapsed / ideal, 1),
+            "overall_per_s": round(total / finished, 1),
+            "overall_pct": round(100 * total / finished / ideal, 1),
+            "cpu_ms_per_traj": {
+                **per_trajectory_ms,
+                "workers": round(1000 * sum(worker_cpu.values()) / max(1, total), 3),
+            },
             "service_rss_mb": round(peak_service / 2**20),
             "worker_rss_mb": [round(peak_workers[index] / 2**20) for index in sorted(peak_workers)],
         }
 
 
 def main() -> None:
+    common.raise_on_sigterm()
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--concurrency", type=int, default=2000)
     parser.add_argument("--latency-s", type=float, default=1.0)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--trajectories", type=int, default=8000)
+    parser.add_argument("--trajectories", type=int, default=40_000)
+    parser.add_argument("--generator", choices=["trivial", "math"], default="trivial")
+    parser.add_argument("--abort-rate", type=float, default=0.0, help="share of replies the engine aborts")
+    parser.add_argument("--repeat", type=int, default=1, help="runs, one after another")
+    parser.add_argument("--json", action="store_true", help="one JSON line per run instead of a table")
     args = parser.parse_args()
-    result = measure(args.concurrency, args.latency_s, args.workers, args.trajectories)
-    print(common.table(list(result), [list(result.values())]))
+    rows = []
+    for _ in range(args.repeat):
+        result = measure(
+            args.concurrency,
+            args.latency_s,
+            args.workers,
+            args.trajectories,
+            args.generator,
+            args.abort_rate,
+        )
+        if args.json:
+            print(json.dumps(result), flush=True)
+        rows.append(result)
+    if not args.json:
+        print(common.table(list(rows[0]), [list(row.values()) for row in rows]))
 
 
 if __name__ == "__main__":
