@@ -8,8 +8,8 @@ over ``--trajectories`` (the data set has trajectories / 8 rows, 8 samples each,
 - steady state: trajectories per second between 20% and 80% of the run, against the ideal C/L;
 - overall: all of them, from ``/start_rollout`` to the last one written, against C/L (worker
   start-up and the first L, when nothing can finish yet, included);
-- each process's CPU per trajectory (simulator, service, each worker; from /proc, so other load
-  on the machine barely changes it) and peak resident memory.
+- each process's CPU per trajectory in ms (the simulator, the service, the workers together; from
+  /proc, so other load on the machine barely changes it) and peak resident memory.
 
 ``--generator trivial`` is a generator with a constant-time reward, so the figure is the
 plumbing's; ``--generator math`` is the shipped math task (``generator/base_generator.py``,
@@ -78,7 +78,10 @@ def measure(
         module="buffer.simulator",
         extra_args=["--latency-mean-s", str(latency_s), "--abort-rate", str(abort_rate), "--seed", "0"],
     )
-    service = common.Server(group_size=REPEATS, extra_args=["--generator-dir", str(generators)])
+    service = common.Server(
+        group_size=REPEATS,
+        extra_args=["--generator-dir", str(generators), "--input-roots", str(folder)],
+    )
     with simulator, service, httpx.Client(base_url=service.url, timeout=60.0) as client:
         payload = {
             "task_type": task,
@@ -93,7 +96,9 @@ def measure(
         processes = {"simulator": simulator.pid, "service": service.pid}
         cpu_before = {name: common.cpu_seconds(pid) for name, pid in processes.items()}
         started = time.monotonic()
-        job = client.post("/start_rollout", json=payload).json()["job"]
+        answer = client.post("/start_rollout", json=payload)
+        answer.raise_for_status()
+        job = answer.json()["job"]
         times: list[tuple[float, int]] = []
         peak_service = 0
         peak_workers: dict[int, int] = {}
@@ -134,10 +139,9 @@ def measure(
             "steady_pct": round(100 * steady / ideal, 1),
             "overall_per_s": round(total / finished, 1),
             "overall_pct": round(100 * total / finished / ideal, 1),
-            "cpu_ms_per_traj": {
-                **per_trajectory_ms,
-                "workers": round(1000 * sum(worker_cpu.values()) / max(1, total), 3),
-            },
+            "simulator_cpu_ms": per_trajectory_ms["simulator"],
+            "service_cpu_ms": per_trajectory_ms["service"],
+            "workers_cpu_ms": round(1000 * sum(worker_cpu.values()) / max(1, total), 3),
             "service_rss_mb": round(peak_service / 2**20),
             "worker_rss_mb": [round(peak_workers[index] / 2**20) for index in sorted(peak_workers)],
         }
