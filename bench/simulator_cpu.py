@@ -1,13 +1,25 @@
-"""The simulator's own CPU time per chat completion, in process (no network, no latency).
+"""The simulator's own CPU time per request: in process, or as a real server under load.
 
     python bench/simulator_cpu.py [--requests 2000] [--repeats 8]
+    python bench/simulator_cpu.py --http [--route chat|generate|completions] [--requests 4000]
+        [--concurrency 256] [--latency-s 0.2] [--repeats 8] [--engine sglang|vllm]
 
-Sends chat completions (an arithmetic question, a calculator tool offered, logprobs and token ids
-asked for) through ``httpx.ASGITransport`` one after another, and subtracts the CPU time of as many
-``GET /health`` calls, which pay for the client and the ASGI plumbing alone. What is left is the
-simulator's work per request: rendering the prompt, drafting, tokenizing, building the body.
-``--repeats`` sends each prompt that many times in a row, as a group of samples does (the
-simulator renders a prompt it has just seen from its cache); 1 makes every prompt new.
+In process (the default), it sends chat completions (an arithmetic question, a calculator tool
+offered, logprobs and token ids asked for) through ``httpx.ASGITransport`` one after another, and
+subtracts the CPU time of as many ``GET /health`` calls, which pay for the client and the ASGI
+plumbing alone. What is left is the simulator's work per request: rendering the prompt, drafting,
+tokenizing, building the body.
+
+``--http`` starts ``python -m buffer.simulator`` as its own process (uvicorn, as a benchmark runs
+it), sends ``--requests`` requests with ``--concurrency`` in flight from aiohttp, and reports the
+CPU seconds the simulator process used per request, read from ``/proc``: a figure that other load
+on the machine barely changes, unlike a rate. ``--route`` picks what is sent, as the toolkit's
+capture sends it: chat completions (logprobs, ``return_token_ids``, ``return_prompt_token_ids``,
+a calculator tool for every other prompt, a tool result as the second turn of some), SGLang's
+``/generate`` or vLLM's ``/v1/completions`` with the rendered prompt's ids.
+
+``--repeats`` sends each prompt that many times, as a group of samples does (the simulator renders
+a prompt it has just seen from its cache); 1 makes every prompt new.
 """
 
 from __future__ import annotations
@@ -54,11 +66,113 @@ async def measure(requests: int, repeats: int = 1) -> tuple[float, float]:
     return chat_s / requests, plumbing_s / requests
 
 
+# -- a real server under load ----------------------------------------------------------------
+
+
+def chat_body(index: int) -> dict[str, Any]:
+    """The chat request of prompt ``index``, with the fields the toolkit's capture sends."""
+    question = f"What is {index} + {index + 1} * 3?"
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a careful assistant."},
+        {"role": "user", "content": question},
+    ]
+    tools = [CALCULATOR] if index % 2 else None
+    if index % 4 == 1:  # the second turn of a tool call: the result is back
+        call = {
+            "id": f"call_{index:016x}",
+            "type": "function",
+            "function": {"name": "calculator", "arguments": f'{{"expression": "{index} + {index + 1} * 3"}}'},
+        }
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": str(index + 3 * (index + 1))})
+    body: dict[str, Any] = {
+        "model": "sim-model",
+        "messages": messages,
+        "max_tokens": 512,
+        "temperature": 1.0,
+        "logprobs": True,
+        "return_token_ids": True,
+        "return_prompt_token_ids": True,
+    }
+    if tools:
+        body["tools"] = tools
+    return body
+
+
+async def token_body(session: Any, route: str, index: int) -> tuple[str, dict[str, Any]]:
+    """The ``/generate`` or ``/v1/completions`` request of prompt ``index``: its rendered ids."""
+    async with session.post("/v1/chat/completions", json=chat_body(index)) as response:
+        answer = await response.json()
+    ids = answer.get("prompt_token_ids") or answer["choices"][0]["prompt_token_ids"]
+    if route == "generate":
+        params = {"max_new_tokens": 512, "temperature": 1.0}
+        return "/generate", {"input_ids": ids, "sampling_params": params, "return_logprob": True}
+    body = {"model": "sim-model", "prompt": ids, "max_tokens": 512, "logprobs": 0, "return_token_ids": True}
+    return "/v1/completions", body
+
+
+async def drive(url: str, route: str, requests: int, concurrency: int, repeats: int, pid: int) -> float:
+    """CPU seconds of process ``pid`` per request, over ``requests`` sent ``concurrency`` at a time."""
+    import aiohttp
+    import common  # bench/common.py: run this file as a script
+
+    prompts = max(1, requests // repeats)
+    bodies: list[tuple[str, dict[str, Any]]] = []
+    async with aiohttp.ClientSession(
+        url, connector=aiohttp.TCPConnector(limit=concurrency), timeout=aiohttp.ClientTimeout(total=600)
+    ) as session:
+        if route == "chat":
+            bodies = [("/v1/chat/completions", chat_body(index)) for index in range(prompts)]
+        else:  # the prompts' ids, as a client renders them, asked before the timing starts
+            bodies = list(
+                await asyncio.gather(*(token_body(session, route, index) for index in range(prompts)))
+            )
+        queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        for request in range(requests):
+            queue.put_nowait(bodies[(request // repeats) % len(bodies)])
+
+        async def client() -> None:
+            while not queue.empty():
+                path, body = queue.get_nowait()
+                async with session.post(path, json=body) as response:
+                    await response.read()
+                    assert response.status == 200, await response.text()
+
+        cpu_before = common.cpu_seconds(pid)
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return (common.cpu_seconds(pid) - cpu_before) / requests
+
+
+def measure_http(args: argparse.Namespace) -> None:
+    import common
+
+    flags = ["--latency-mean-s", str(args.latency_s), "--seed", "0", "--engine", args.engine]
+    with common.Server(module="buffer.simulator", extra_args=flags) as server:
+        started = time.monotonic()
+        cpu_s = asyncio.run(
+            drive(server.url, args.route, args.requests, args.concurrency, args.repeats, server.pid)
+        )
+        elapsed_s = time.monotonic() - started
+    print(
+        f"{args.route}: {args.requests} requests at concurrency {args.concurrency}, latency "
+        f"{args.latency_s} s, {args.repeats} per prompt, {args.engine}: {elapsed_s:.1f} s"
+    )
+    print(f"the simulator process: {cpu_s * 1e3:.3f} ms CPU per request")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=1, help="requests per prompt")
+    parser.add_argument("--http", action="store_true", help="a real server process, driven over HTTP")
+    parser.add_argument("--route", choices=("chat", "generate", "completions"), default="chat")
+    parser.add_argument("--concurrency", type=int, default=256, help="requests in flight (--http)")
+    parser.add_argument("--latency-s", type=float, default=0.2, help="the simulator's latency (--http)")
+    parser.add_argument("--engine", choices=("sglang", "vllm"), default="sglang")
     args = parser.parse_args()
+    if args.http:
+        measure_http(args)
+        return
     chat_s, plumbing_s = asyncio.run(measure(args.requests, args.repeats))
     print(f"chat completion: {chat_s * 1e3:.3f} ms CPU per request")
     print(f"GET /health (client and ASGI alone): {plumbing_s * 1e3:.3f} ms")
