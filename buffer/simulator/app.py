@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -48,6 +47,7 @@ from buffer.simulator.engines import (
     stop_reason,
     usage,
 )
+from buffer.simulator.front import FastRoute, SimApp
 from buffer.simulator.model import SimModel
 from buffer.simulator.outage import DroppedConnection, Outage, OutageRequest
 from buffer.simulator.protocol import (
@@ -547,13 +547,13 @@ class Simulator:
         return Answer(len(prompt_ids), [generation], body, chunks)
 
 
-def create_sim_app(config: SimConfig | None = None, model: SimModel | None = None) -> FastAPI:
+def create_sim_app(config: SimConfig | None = None, model: SimModel | None = None) -> SimApp:
     """A simulator app; all its state (model, generator, counters) lives in this call, none in the module."""
     config = config or SimConfig()
     sim = Simulator(config, model or load_model(config))
     stats, outage = sim.stats, sim.outage
     created = int(time.time())
-    app = FastAPI(title="simulated OpenAI-compatible LLM server")
+    app = SimApp(title="simulated OpenAI-compatible LLM server")
     app.state.config = config
     app.state.stats = stats
     app.state.outage = outage
@@ -599,7 +599,6 @@ def create_sim_app(config: SimConfig | None = None, model: SimModel | None = Non
         message = f"Weight version updated to {body.new_version}"
         return json_response({"success": True, "message": message, "new_version": body.new_version})
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatRequest) -> Response:
         refused = sim.unknown_model(request.model)
         if refused is not None:
@@ -608,7 +607,6 @@ def create_sim_app(config: SimConfig | None = None, model: SimModel | None = Non
             lambda rng: sim.prepare_chat(request, rng), request, request.seed, request.stream
         )
 
-    @app.post("/v1/completions")
     async def completions(request: CompletionRequest) -> Response:
         refused = sim.unknown_model(request.model)
         if refused is not None:
@@ -617,7 +615,6 @@ def create_sim_app(config: SimConfig | None = None, model: SimModel | None = Non
             lambda rng: sim.prepare_completion(request, rng), request, request.seed, request.stream
         )
 
-    @app.post("/generate")
     async def generate_route(request: GenerateRequest) -> Response:
         seed = request.sampling_params.get("sampling_seed", request.sampling_params.get("seed"))
         return await sim.serve(
@@ -626,6 +623,18 @@ def create_sim_app(config: SimConfig | None = None, model: SimModel | None = Non
             int(seed) if seed is not None else None,
             request.stream,
         )
+
+    # FastAPI's routes answer what the front passes on (see front.py), and document the API.
+    app.post("/v1/chat/completions")(chat_completions)
+    app.post("/v1/completions")(completions)
+    app.post("/generate")(generate_route)
+    app.fast_routes.update(
+        {
+            "/v1/chat/completions": FastRoute(ChatRequest, chat_completions),
+            "/v1/completions": FastRoute(CompletionRequest, completions),
+            "/generate": FastRoute(GenerateRequest, generate_route),
+        }
+    )
 
     async def validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
