@@ -21,6 +21,7 @@ import logging
 import math
 import random
 import time
+from array import array
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ from buffer.simulator.engines import (
     usage,
 )
 from buffer.simulator.front import FastRoute, SimApp
-from buffer.simulator.model import SimModel
+from buffer.simulator.model import RENDER_CACHE_SIZE, OpenReply, SimModel, remember
 from buffer.simulator.outage import DroppedConnection, Outage, OutageRequest
 from buffer.simulator.protocol import (
     ChatRequest,
@@ -130,11 +131,22 @@ class Answer:
     chunks: Callable[[], Iterator[Chunk]] | None = None  # set for stream=true
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _TokenPrompt:
     plan: ReplyPlan
     partial_ids: list[int] | None
     partial_text: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _ChatPrompt:
+    """A chat request's prompt as the model reads it: its ids, the replies it may get, the
+    assistant reply it ends in (``continue_final_message``), whether the model reasons first."""
+
+    ids: array[int]
+    plan: ReplyPlan
+    open_reply: OpenReply | None
+    thinking: bool
 
 
 class Simulator:
@@ -150,6 +162,9 @@ class Simulator:
         #: SGLang's pause, continue and weight updates (``buffer.simulator.control``).
         self.control = Control()
         self.weight_version = config.weight_version
+        # A group's samples send the same prompt: read once (the oldest dropped first).
+        self._chat_prompts: dict[bytes, _ChatPrompt] = {}
+        self._token_prompts: dict[bytes, _TokenPrompt] = {}
 
     # Errors
 
@@ -291,24 +306,17 @@ class Simulator:
         if engine == "vllm" and request.continue_final_message and request.add_generation_prompt:
             message = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
             return self.error(400, message, "BadRequestError")
-        continuing = request.continue_final_message and request.messages[-1].role == "assistant"
-        tools = request.tools or []
-        template_kwargs = request.chat_template_kwargs or {}
-        try:
-            prompt_ids = model.render(
-                [_template_message(message) for message in request.messages],
-                tools,
-                continuing,
-                template_kwargs,
-            )
-        except ValueError as exc:
-            return self.error(400, str(exc), "BadRequestError", "messages")
-        thinking = model.thinking and template_kwargs.get("enable_thinking", True) is not False
-        history = request.messages[:-1] if continuing else request.messages
-        plan = plan_reply(
-            [SimMessage(m.role, m.text()) for m in history], tools, request.tool_choice, thinking
-        )
-        open_reply = model.open_reply(prompt_ids) if continuing else None
+        key = _chat_prompt_key(request)
+        prompt = self._chat_prompts.get(key) if key is not None else None
+        if prompt is None:
+            try:
+                prompt = self.chat_prompt(request)
+            except ValueError as exc:
+                return self.error(400, str(exc), "BadRequestError", "messages")
+            if key is not None:
+                remember(self._chat_prompts, key, prompt, RENDER_CACHE_SIZE)
+        prompt_ids, plan, open_reply = list(prompt.ids), prompt.plan, prompt.open_reply
+        thinking = prompt.thinking
         limits = Limits(request.token_limit, stop_strings(request.stop), tuple(request.stop_token_ids or ()))
         choices = []
         for _ in range(request.n):
@@ -357,6 +365,23 @@ class Simulator:
                 )
 
         return Answer(len(prompt_ids), [choice.generation for choice in choices], body, chunks)
+
+    def chat_prompt(self, request: ChatRequest) -> _ChatPrompt:
+        """The prompt of a chat request, rendered and read; ``ValueError`` if it cannot be rendered."""
+        model = self.model
+        continuing = request.continue_final_message and request.messages[-1].role == "assistant"
+        tools = request.tools or []
+        template_kwargs = request.chat_template_kwargs or {}
+        prompt_ids = model.render(
+            [_template_message(message) for message in request.messages], tools, continuing, template_kwargs
+        )
+        thinking = model.thinking and template_kwargs.get("enable_thinking", True) is not False
+        history = request.messages[:-1] if continuing else request.messages
+        plan = plan_reply(
+            [SimMessage(m.role, m.text()) for m in history], tools, request.tool_choice, thinking
+        )
+        open_reply = model.open_reply(prompt_ids) if continuing else None
+        return _ChatPrompt(array("i", prompt_ids), plan, open_reply, thinking)
 
     def chat_body(
         self,
@@ -408,20 +433,28 @@ class Simulator:
 
     def token_prompt(self, prompt_ids: list[int]) -> _TokenPrompt:
         """The reply plan for a rendered prompt, recovered from its text, and the reply it continues."""
+        key = array("i", prompt_ids).tobytes()  # ids checked by bad_ids first
+        cached = self._token_prompts.get(key)
+        if cached is not None:
+            return cached
         model = self.model
         conversation = parse_prompt(model.decode(prompt_ids, skip_special_tokens=False))
         open_reply = model.open_reply(prompt_ids)
         thinking = model.thinking and not (open_reply is not None and open_reply.thinking_off)
         plan = plan_reply(conversation.messages, conversation.tools, "auto", thinking)
         if open_reply is None:
-            return _TokenPrompt(plan, None, None)
-        return _TokenPrompt(plan, open_reply.ids, open_reply.text)
+            prompt = _TokenPrompt(plan, None, None)
+        else:
+            prompt = _TokenPrompt(plan, open_reply.ids, open_reply.text)
+        return remember(self._token_prompts, key, prompt, RENDER_CACHE_SIZE)
 
     def bad_ids(self, prompt_ids: list[int]) -> str | None:
         if not prompt_ids:
             return "the prompt is empty"
+        if min(prompt_ids) >= 0 and max(prompt_ids) < self.model.vocab_size:
+            return None
         bad = [token for token in prompt_ids if not 0 <= token < self.model.vocab_size]
-        return f"token ids out of the vocabulary (size {self.model.vocab_size}): {bad[:5]}" if bad else None
+        return f"token ids out of the vocabulary (size {self.model.vocab_size}): {bad[:5]}"
 
     def prepare_completion(self, request: CompletionRequest, reply_rng: random.Random) -> Answer | Response:
         model = self.model
@@ -655,6 +688,19 @@ def create_sim_app(config: SimConfig | None = None, model: SimModel | None = Non
 
     app.add_exception_handler(RequestValidationError, validation_error)
     return app
+
+
+def _chat_prompt_key(request: ChatRequest) -> bytes | None:
+    """What a chat request's prompt depends on, as bytes; None if it cannot be written as JSON."""
+    messages = [
+        (message.role, message.content, message.tool_calls, message.tool_call_id, message.model_extra)
+        for message in request.messages
+    ]
+    key = [messages, request.tools, request.continue_final_message, request.chat_template_kwargs]
+    try:
+        return orjson.dumps([*key, request.tool_choice])
+    except orjson.JSONEncodeError:  # an integer beyond 64 bits, say
+        return None
 
 
 def _template_message(message: Any) -> dict[str, Any]:

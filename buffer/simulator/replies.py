@@ -144,7 +144,7 @@ def generate(
     if partial_text:
         ids = _continuation(model, plan, draft, partial_ids or (), partial_text)
     else:
-        ids = [*model.encode(draft.text), model.eos_id]
+        ids = [*model.encode_reply(draft.text), model.eos_id]
     finish_reason = "stop"
     matched: int | str | None = None
     stop_at: int | None = None
@@ -159,7 +159,8 @@ def generate(
         body = ids[:-1] if ids and ids[-1] == model.eos_id else ids
         end = fault_rng.randint(1, len(body) - 1) if len(body) > 1 else 0
         ids, finish_reason, matched, stop_at = body[:end], "abort", None, None
-    drawn = [-round(reply_rng.expovariate(4.0), 4) for _ in ids] if logprobs else []
+    draw = reply_rng.expovariate
+    drawn = [-round(draw(4.0), 4) for _ in ids] if logprobs else []
     return Generation(ids, drawn, finish_reason, matched, stop_at)
 
 
@@ -174,7 +175,7 @@ def _continuation(
     for option in (draft, *plan.options):
         if not option.text.startswith(partial_text):
             continue
-        ids = model.encode(option.text)
+        ids = model.encode_reply(option.text)
         if partial_ids and list(ids[: len(partial_ids)]) == list(partial_ids):
             return [*ids[len(partial_ids) :], model.eos_id]
         return [*model.encode(option.text[len(partial_text) :]), model.eos_id]
