@@ -254,7 +254,8 @@ class Simulator:
             if isinstance(answer, Response):
                 return answer
             longest = max((len(generation.ids) for generation in answer.generations), default=0)
-            latency_s = config.sample_latency_s(self.rng)
+            share = max((generation.share for generation in answer.generations), default=1.0)
+            latency_s = config.sample_latency_s(self.rng) * share  # the part of a reply it sampled
             if not stream:
                 latency_s += config.latency_per_token_s * longest
             if await self.control.sleep(max(0.0, latency_s - (time.monotonic() - started))):
