@@ -42,6 +42,15 @@ CASES: list[tuple[str, bytes, dict[str, str]]] = [
         {"content-type": "text/plain"},
     ),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"x": 1}]}', JSON),
+    # Python's reading and pydantic's JSON mode agree: lax numbers and booleans, duplicate keys.
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "What is 2 + 2?"}], "n": 2.0, "max_tokens": "9",'
+        b' "logprobs": 1, "seed": 7, "seed": 8, "return_token_ids": "true"}',
+        JSON,
+    ),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00 \\u00e9?"}]}', JSON),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "n": 1.5}', JSON),
     ("/v1/completions", b'{"model": "sim-model", "prompt": [1, 2, 3], "max_tokens": 8, "logprobs": 0}', JSON),
     ("/v1/completions", b'{"prompt": [1, 2, 3], "max_tokens": 0}', JSON),
     ("/v1/completions", b'{"prompt": [-1]}', JSON),
