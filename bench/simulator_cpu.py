@@ -2,7 +2,7 @@
 
     python bench/simulator_cpu.py [--requests 2000] [--repeats 8]
     python bench/simulator_cpu.py --http [--route chat|generate|completions] [--requests 4000]
-        [--concurrency 256] [--latency-s 0.2] [--repeats 8] [--engine sglang|vllm]
+        [--concurrency 256] [--latency-s 0.2] [--repeats 8] [--engine sglang|vllm] [--abort-rate 0.1]
 
 In process (the default), it sends chat completions (an arithmetic question, a calculator tool
 offered, logprobs and token ids asked for) through ``httpx.ASGITransport`` one after another, and
@@ -18,6 +18,10 @@ capture sends it: chat completions (logprobs, ``return_token_ids``, ``return_pro
 a calculator tool for every other prompt, a tool result as the second turn of some), SGLang's
 ``/generate`` or vLLM's ``/v1/completions`` with the rendered prompt's ids.
 
+With ``--abort-rate``, an aborted ``/generate`` or ``/v1/completions`` reply is continued from its
+ids, as a partial rollout does, and the replies per second are reported against the ideal C/L
+(a rate: other load on the machine changes it).
+
 ``--repeats`` sends each prompt that many times, as a group of samples does (the simulator renders
 a prompt it has just seen from its cache); 1 makes every prompt new.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -111,13 +116,49 @@ async def token_body(session: Any, route: str, index: int) -> tuple[str, dict[st
     return "/v1/completions", body
 
 
-async def drive(url: str, route: str, requests: int, concurrency: int, repeats: int, pid: int) -> float:
-    """CPU seconds of process ``pid`` per request, over ``requests`` sent ``concurrency`` at a time."""
+@dataclass(slots=True)
+class Run:
+    """What the simulator process did for one run: its CPU, the requests and replies, the time."""
+
+    cpu_s: float = 0.0
+    requests: int = 0  # continuations of aborted replies included
+    replies: int = 0
+    elapsed_s: float = 0.0
+
+
+def aborted_ids(route: str, answer: dict[str, Any]) -> list[int] | None:
+    """The ids of an aborted token reply, to continue from; None if it was not aborted."""
+    if route == "generate":
+        aborted = answer["meta_info"]["finish_reason"]["type"] == "abort"
+        return list(answer["output_ids"]) if aborted else None
+    if route == "completions":
+        [choice] = answer["choices"]
+        return list(choice["token_ids"]) if choice["finish_reason"] == "abort" else None
+    return None
+
+
+def continued(route: str, body: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+    """The request that continues an aborted token reply from its ids, as a partial rollout does."""
+    if route == "generate":
+        params = body["sampling_params"]
+        left = params["max_new_tokens"] - len(ids)
+        return {
+            **body,
+            "input_ids": body["input_ids"] + ids,
+            "sampling_params": {**params, "max_new_tokens": left},
+        }
+    return {**body, "prompt": body["prompt"] + ids, "max_tokens": body["max_tokens"] - len(ids)}
+
+
+async def drive(url: str, route: str, requests: int, concurrency: int, repeats: int, pid: int) -> Run:
+    """Send ``requests`` replies' requests ``concurrency`` at a time (an aborted token reply is
+    continued from its ids, as one more request); the CPU seconds process ``pid`` used."""
     import aiohttp
     import common  # bench/common.py: run this file as a script
 
     prompts = max(1, requests // repeats)
     bodies: list[tuple[str, dict[str, Any]]] = []
+    run = Run()
     async with aiohttp.ClientSession(
         url, connector=aiohttp.TCPConnector(limit=concurrency), timeout=aiohttp.ClientTimeout(total=600)
     ) as session:
@@ -134,30 +175,43 @@ async def drive(url: str, route: str, requests: int, concurrency: int, repeats: 
         async def client() -> None:
             while not queue.empty():
                 path, body = queue.get_nowait()
-                async with session.post(path, json=body) as response:
-                    await response.read()
-                    assert response.status == 200, await response.text()
+                while True:
+                    async with session.post(path, json=body) as response:
+                        assert response.status == 200, await response.text()
+                        answer = await response.json()
+                    run.requests += 1
+                    ids = aborted_ids(route, answer)
+                    if not ids:
+                        break
+                    body = continued(route, body, ids)
+                run.replies += 1
 
-        cpu_before = common.cpu_seconds(pid)
+        cpu_before, started = common.cpu_seconds(pid), time.monotonic()
         await asyncio.gather(*(client() for _ in range(concurrency)))
-        return (common.cpu_seconds(pid) - cpu_before) / requests
+        run.elapsed_s = time.monotonic() - started
+        run.cpu_s = common.cpu_seconds(pid) - cpu_before
+    return run
 
 
 def measure_http(args: argparse.Namespace) -> None:
     import common
 
     flags = ["--latency-mean-s", str(args.latency_s), "--seed", "0", "--engine", args.engine]
+    flags += ["--abort-rate", str(args.abort_rate)]
     with common.Server(module="buffer.simulator", extra_args=flags) as server:
-        started = time.monotonic()
-        cpu_s = asyncio.run(
+        run = asyncio.run(
             drive(server.url, args.route, args.requests, args.concurrency, args.repeats, server.pid)
         )
-        elapsed_s = time.monotonic() - started
     print(
-        f"{args.route}: {args.requests} requests at concurrency {args.concurrency}, latency "
-        f"{args.latency_s} s, {args.repeats} per prompt, {args.engine}: {elapsed_s:.1f} s"
+        f"{args.route}: {run.replies} replies ({run.requests} requests) at concurrency {args.concurrency},"
+        f" latency {args.latency_s} s, {args.repeats} per prompt, abort rate {args.abort_rate},"
+        f" {args.engine}: {run.elapsed_s:.1f} s"
     )
-    print(f"the simulator process: {cpu_s * 1e3:.3f} ms CPU per request")
+    if args.latency_s:
+        ideal = args.concurrency / args.latency_s
+        rate = run.replies / run.elapsed_s
+        print(f"replies per second: {rate:.0f}, {rate / ideal:.0%} of the ideal C/L ({ideal:.0f})")
+    print(f"the simulator process: {run.cpu_s / run.requests * 1e3:.3f} ms CPU per request")
 
 
 def main() -> None:
@@ -169,6 +223,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=256, help="requests in flight (--http)")
     parser.add_argument("--latency-s", type=float, default=0.2, help="the simulator's latency (--http)")
     parser.add_argument("--engine", choices=("sglang", "vllm"), default="sglang")
+    parser.add_argument(
+        "--abort-rate", type=float, default=0.0, help="the simulator's (--http; token routes continue them)"
+    )
     args = parser.parse_args()
     if args.http:
         measure_http(args)
