@@ -34,6 +34,7 @@ async def post(app: SimApp, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 async def test_a_group_s_prompt_is_read_once_on_each_route(monkeypatch: pytest.MonkeyPatch) -> None:
     plans: list[object] = []
+
     def counted(*args: Any) -> Any:
         plans.append(args)
         return plan_reply(*args)
