@@ -8,7 +8,8 @@ In process (the default), it sends chat completions (an arithmetic question, a c
 offered, logprobs and token ids asked for) through ``httpx.ASGITransport`` one after another, and
 subtracts the CPU time of as many ``GET /health`` calls, which pay for the client and the ASGI
 plumbing alone. What is left is the simulator's work per request: rendering the prompt, drafting,
-tokenizing, building the body.
+tokenizing, building the body (less what FastAPI's stack costs ``/health``: the generation routes
+skip it, see ``buffer/simulator/front.py``, so ``--http`` is the figure to go by).
 
 ``--http`` starts ``python -m buffer.simulator`` as its own process (uvicorn, as a benchmark runs
 it), sends ``--requests`` requests with ``--concurrency`` in flight from aiohttp, and reports the
