@@ -20,6 +20,7 @@ the ``sim`` extra. It imports nothing of the service.
     streaming.py     the SSE chunks of ``stream=true``
     outage.py        an outage started at run time (POST /outage): 503s or dropped connections
     app.py           create_sim_app(config): routes, faults, latency, /stats, /outage
+    front.py         SimApp: the generation routes answered before FastAPI's stack
     cli.py           main(argv): flags, logging, uvicorn
 """
 

@@ -21,13 +21,13 @@ import logging
 import math
 import random
 import time
+from array import array
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -48,7 +48,8 @@ from buffer.simulator.engines import (
     stop_reason,
     usage,
 )
-from buffer.simulator.model import SimModel
+from buffer.simulator.front import FastRoute, SimApp
+from buffer.simulator.model import RENDER_CACHE_SIZE, OpenReply, SimModel, remember
 from buffer.simulator.outage import DroppedConnection, Outage, OutageRequest
 from buffer.simulator.protocol import (
     ChatRequest,
@@ -130,11 +131,22 @@ class Answer:
     chunks: Callable[[], Iterator[Chunk]] | None = None  # set for stream=true
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _TokenPrompt:
     plan: ReplyPlan
     partial_ids: list[int] | None
     partial_text: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _ChatPrompt:
+    """A chat request's prompt as the model reads it: its ids, the replies it may get, the
+    assistant reply it ends in (``continue_final_message``), whether the model reasons first."""
+
+    ids: array[int]
+    plan: ReplyPlan
+    open_reply: OpenReply | None
+    thinking: bool
 
 
 class Simulator:
@@ -150,6 +162,9 @@ class Simulator:
         #: SGLang's pause, continue and weight updates (``buffer.simulator.control``).
         self.control = Control()
         self.weight_version = config.weight_version
+        # A group's samples send the same prompt: read once (the oldest dropped first).
+        self._chat_prompts: dict[bytes, _ChatPrompt] = {}
+        self._token_prompts: dict[bytes, _TokenPrompt] = {}
 
     # Errors
 
@@ -239,7 +254,8 @@ class Simulator:
             if isinstance(answer, Response):
                 return answer
             longest = max((len(generation.ids) for generation in answer.generations), default=0)
-            latency_s = config.sample_latency_s(self.rng)
+            share = max((generation.share for generation in answer.generations), default=1.0)
+            latency_s = config.sample_latency_s(self.rng) * share  # the part of a reply it sampled
             if not stream:
                 latency_s += config.latency_per_token_s * longest
             if await self.control.sleep(max(0.0, latency_s - (time.monotonic() - started))):
@@ -291,24 +307,17 @@ class Simulator:
         if engine == "vllm" and request.continue_final_message and request.add_generation_prompt:
             message = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
             return self.error(400, message, "BadRequestError")
-        continuing = request.continue_final_message and request.messages[-1].role == "assistant"
-        tools = request.tools or []
-        template_kwargs = request.chat_template_kwargs or {}
-        try:
-            prompt_ids = model.render(
-                [_template_message(message) for message in request.messages],
-                tools,
-                continuing,
-                template_kwargs,
-            )
-        except ValueError as exc:
-            return self.error(400, str(exc), "BadRequestError", "messages")
-        thinking = model.thinking and template_kwargs.get("enable_thinking", True) is not False
-        history = request.messages[:-1] if continuing else request.messages
-        plan = plan_reply(
-            [SimMessage(m.role, m.text()) for m in history], tools, request.tool_choice, thinking
-        )
-        open_reply = model.open_reply(prompt_ids) if continuing else None
+        key = _chat_prompt_key(request)
+        prompt = self._chat_prompts.get(key) if key is not None else None
+        if prompt is None:
+            try:
+                prompt = self.chat_prompt(request)
+            except ValueError as exc:
+                return self.error(400, str(exc), "BadRequestError", "messages")
+            if key is not None:
+                remember(self._chat_prompts, key, prompt, RENDER_CACHE_SIZE)
+        prompt_ids, plan, open_reply = list(prompt.ids), prompt.plan, prompt.open_reply
+        thinking = prompt.thinking
         limits = Limits(request.token_limit, stop_strings(request.stop), tuple(request.stop_token_ids or ()))
         choices = []
         for _ in range(request.n):
@@ -357,6 +366,23 @@ class Simulator:
                 )
 
         return Answer(len(prompt_ids), [choice.generation for choice in choices], body, chunks)
+
+    def chat_prompt(self, request: ChatRequest) -> _ChatPrompt:
+        """The prompt of a chat request, rendered and read; ``ValueError`` if it cannot be rendered."""
+        model = self.model
+        continuing = request.continue_final_message and request.messages[-1].role == "assistant"
+        tools = request.tools or []
+        template_kwargs = request.chat_template_kwargs or {}
+        prompt_ids = model.render(
+            [_template_message(message) for message in request.messages], tools, continuing, template_kwargs
+        )
+        thinking = model.thinking and template_kwargs.get("enable_thinking", True) is not False
+        history = request.messages[:-1] if continuing else request.messages
+        plan = plan_reply(
+            [SimMessage(m.role, m.text()) for m in history], tools, request.tool_choice, thinking
+        )
+        open_reply = model.open_reply(prompt_ids) if continuing else None
+        return _ChatPrompt(array("i", prompt_ids), plan, open_reply, thinking)
 
     def chat_body(
         self,
@@ -408,20 +434,28 @@ class Simulator:
 
     def token_prompt(self, prompt_ids: list[int]) -> _TokenPrompt:
         """The reply plan for a rendered prompt, recovered from its text, and the reply it continues."""
+        key = array("i", prompt_ids).tobytes()  # ids checked by bad_ids first
+        cached = self._token_prompts.get(key)
+        if cached is not None:
+            return cached
         model = self.model
         conversation = parse_prompt(model.decode(prompt_ids, skip_special_tokens=False))
         open_reply = model.open_reply(prompt_ids)
         thinking = model.thinking and not (open_reply is not None and open_reply.thinking_off)
         plan = plan_reply(conversation.messages, conversation.tools, "auto", thinking)
         if open_reply is None:
-            return _TokenPrompt(plan, None, None)
-        return _TokenPrompt(plan, open_reply.ids, open_reply.text)
+            prompt = _TokenPrompt(plan, None, None)
+        else:
+            prompt = _TokenPrompt(plan, open_reply.ids, open_reply.text)
+        return remember(self._token_prompts, key, prompt, RENDER_CACHE_SIZE)
 
     def bad_ids(self, prompt_ids: list[int]) -> str | None:
         if not prompt_ids:
             return "the prompt is empty"
+        if min(prompt_ids) >= 0 and max(prompt_ids) < self.model.vocab_size:
+            return None
         bad = [token for token in prompt_ids if not 0 <= token < self.model.vocab_size]
-        return f"token ids out of the vocabulary (size {self.model.vocab_size}): {bad[:5]}" if bad else None
+        return f"token ids out of the vocabulary (size {self.model.vocab_size}): {bad[:5]}"
 
     def prepare_completion(self, request: CompletionRequest, reply_rng: random.Random) -> Answer | Response:
         model = self.model
@@ -547,13 +581,13 @@ class Simulator:
         return Answer(len(prompt_ids), [generation], body, chunks)
 
 
-def create_sim_app(config: SimConfig | None = None, model: SimModel | None = None) -> FastAPI:
+def create_sim_app(config: SimConfig | None = None, model: SimModel | None = None) -> SimApp:
     """A simulator app; all its state (model, generator, counters) lives in this call, none in the module."""
     config = config or SimConfig()
     sim = Simulator(config, model or load_model(config))
     stats, outage = sim.stats, sim.outage
     created = int(time.time())
-    app = FastAPI(title="simulated OpenAI-compatible LLM server")
+    app = SimApp(title="simulated OpenAI-compatible LLM server")
     app.state.config = config
     app.state.stats = stats
     app.state.outage = outage
@@ -599,7 +633,6 @@ def create_sim_app(config: SimConfig | None = None, model: SimModel | None = Non
         message = f"Weight version updated to {body.new_version}"
         return json_response({"success": True, "message": message, "new_version": body.new_version})
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatRequest) -> Response:
         refused = sim.unknown_model(request.model)
         if refused is not None:
@@ -608,7 +641,6 @@ def create_sim_app(config: SimConfig | None = None, model: SimModel | None = Non
             lambda rng: sim.prepare_chat(request, rng), request, request.seed, request.stream
         )
 
-    @app.post("/v1/completions")
     async def completions(request: CompletionRequest) -> Response:
         refused = sim.unknown_model(request.model)
         if refused is not None:
@@ -617,7 +649,6 @@ def create_sim_app(config: SimConfig | None = None, model: SimModel | None = Non
             lambda rng: sim.prepare_completion(request, rng), request, request.seed, request.stream
         )
 
-    @app.post("/generate")
     async def generate_route(request: GenerateRequest) -> Response:
         seed = request.sampling_params.get("sampling_seed", request.sampling_params.get("seed"))
         return await sim.serve(
@@ -626,6 +657,18 @@ def create_sim_app(config: SimConfig | None = None, model: SimModel | None = Non
             int(seed) if seed is not None else None,
             request.stream,
         )
+
+    # FastAPI's routes answer what the front passes on (see front.py), and document the API.
+    app.post("/v1/chat/completions")(chat_completions)
+    app.post("/v1/completions")(completions)
+    app.post("/generate")(generate_route)
+    app.fast_routes.update(
+        {
+            "/v1/chat/completions": FastRoute(ChatRequest, chat_completions),
+            "/v1/completions": FastRoute(CompletionRequest, completions),
+            "/generate": FastRoute(GenerateRequest, generate_route),
+        }
+    )
 
     async def validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
@@ -646,6 +689,19 @@ def create_sim_app(config: SimConfig | None = None, model: SimModel | None = Non
 
     app.add_exception_handler(RequestValidationError, validation_error)
     return app
+
+
+def _chat_prompt_key(request: ChatRequest) -> bytes | None:
+    """What a chat request's prompt depends on, as bytes; None if it cannot be written as JSON."""
+    messages = [
+        (message.role, message.content, message.tool_calls, message.tool_call_id, message.model_extra)
+        for message in request.messages
+    ]
+    key = [messages, request.tools, request.continue_final_message, request.chat_template_kwargs]
+    try:
+        return orjson.dumps([*key, request.tool_choice])
+    except orjson.JSONEncodeError:  # an integer beyond 64 bits, say
+        return None
 
 
 def _template_message(message: Any) -> dict[str, Any]:

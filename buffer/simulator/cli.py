@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -40,6 +41,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         app = create_sim_app(config)
     except MissingExtraError as exc:
         sys.exit(f"python -m buffer.simulator: {exc}")
+    # A request allocates many short-lived objects, and thousands are in flight: collecting the
+    # young generation every 50,000 allocations instead of 700 spares rescanning those in flight
+    # over and over. What exists at start-up (the tokenizer, its tables) is never garbage.
+    gc.set_threshold(50_000, 20, 20)
+    gc.freeze()
     logger.info("simulated LLM server on http://%s:%d/v1 (%s)", config.host, config.port, settings)
     uvicorn.run(
         app,
@@ -49,4 +55,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_config=None,  # keep the format configured above
         access_log=config.access_log,
         backlog=4096,  # a benchmark opens a thousand connections at once
+        proxy_headers=False,  # no proxy in front: X-Forwarded-* would be read for nothing
     )

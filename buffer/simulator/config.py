@@ -48,7 +48,12 @@ class SimConfig(BaseSettings):
     latency: LatencyDistribution = Field(
         default="fixed", description="how the latency of a request is drawn around --latency-mean-s"
     )
-    latency_mean_s: float = Field(default=0.05, ge=0, description="mean latency of a request, in seconds")
+    latency_mean_s: float = Field(
+        default=0.05,
+        ge=0,
+        description="mean latency of a request, in seconds (an aborted reply and a continuation take "
+        "their part of it, in tokens)",
+    )
     latency_jitter_s: float = Field(
         default=0.0,
         ge=0,

@@ -52,7 +52,8 @@ class Control:
     #: True while an aborted request's answer is composed again, cut short (``recompose``).
     aborting: bool = False
     _resumed: asyncio.Event = field(default_factory=asyncio.Event)
-    _abort: asyncio.Event = field(default_factory=asyncio.Event)
+    #: The requests sleeping through their latency: each future is set True if a pause aborts it.
+    _sleeping: set[asyncio.Future[bool]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._resumed.set()
@@ -69,24 +70,33 @@ class Control:
         self._resumed.set()
 
     def abort_all(self) -> None:
-        self._abort.set()
-        self._abort = asyncio.Event()
+        for sleeping in self._sleeping:
+            if not sleeping.done():
+                sleeping.set_result(True)
+        self._sleeping.clear()
 
     async def hold(self) -> None:
         """Wait while paused."""
+        if not self.paused:
+            return
         await self._resumed.wait()
 
     async def sleep(self, seconds: float) -> bool:
-        """Sleep through a request's latency; True if a pause aborted it first."""
-        abort = self._abort
-        aborted = asyncio.ensure_future(abort.wait())
+        """Sleep through a request's latency; True if a pause aborted it first.
+
+        One future and one timer a request (no task, no ``asyncio.wait``): thousands sleep at once."""
+        loop = asyncio.get_running_loop()
+        sleeping: asyncio.Future[bool] = loop.create_future()
+        timer = loop.call_later(seconds, _wake, sleeping)
+        self._sleeping.add(sleeping)
         try:
-            done, _ = await asyncio.wait({aborted}, timeout=seconds)
+            aborted = await sleeping
         finally:
-            aborted.cancel()
-        if done:
+            timer.cancel()
+            self._sleeping.discard(sleeping)
+        if aborted:
             self.aborted += 1
-        return bool(done)
+        return aborted
 
     def recompose(self, prepare: Callable[[random.Random], _A], rng: random.Random) -> _A:
         """The answer again, every choice aborted part way (its tokens so far)."""
@@ -98,6 +108,11 @@ class Control:
 
     def snapshot(self) -> dict[str, Any]:
         return {"paused": self.paused, "pauses": self.pauses, "aborted": self.aborted}
+
+
+def _wake(sleeping: asyncio.Future[bool]) -> None:
+    if not sleeping.done():
+        sleeping.set_result(False)
 
 
 def install_control(app: FastAPI, sim: Simulator) -> None:

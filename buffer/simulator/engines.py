@@ -78,19 +78,26 @@ def message_body(engine: Engine, choice: ChatChoice) -> dict[str, Any]:
 
 def chat_logprobs(model: SimModel, ids: list[int], logprobs: list[float], top: int) -> dict[str, Any]:
     """``choices[i].logprobs``: one entry per output id, with ``top`` made-up alternatives."""
+    texts, token_bytes = model.token_text, model.token_bytes
+    if not top:  # what a capture asks for: no alternatives
+        return {
+            "content": [
+                {"token": texts[token], "logprob": logprob, "bytes": token_bytes[token], "top_logprobs": []}
+                for token, logprob in zip(ids, logprobs, strict=True)
+            ]
+        }
     content = []
     for token, logprob in zip(ids, logprobs, strict=True):
-        entry = _chat_entry(model.token_text[token], logprob)
+        entry = _chat_entry(model, token, logprob)
         alternatives = [entry]
         for rank in range(1, top):
-            other = model.token_text[(token + rank) % model.vocab_size]
-            alternatives.append(_chat_entry(other, logprob - rank))
+            alternatives.append(_chat_entry(model, (token + rank) % model.vocab_size, logprob - rank))
         content.append({**entry, "top_logprobs": alternatives[:top]})
     return {"content": content}
 
 
-def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+def _chat_entry(model: SimModel, token: int, logprob: float) -> dict[str, Any]:
+    return {"token": model.token_text[token], "logprob": logprob, "bytes": model.token_bytes[token]}
 
 
 def sglang_finish_reason(generation: Generation) -> dict[str, Any]:

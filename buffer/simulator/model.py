@@ -11,16 +11,28 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import orjson
 
 from buffer.simulator.conversation import EMPTY_THINK, IM_START
 
 RENDER_CACHE_SIZE = 1024  # prompts; a group's samples are in flight together
+REPLY_CACHE_SIZE = 4096  # texts of replies (a prompt's drafts are a handful)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def remember(cache: dict[_K, _V], key: _K, value: _V, size: int) -> _V:
+    """``cache[key] = value``, the oldest entry dropped first once ``cache`` holds ``size``."""
+    if len(cache) >= size:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,14 +61,25 @@ class SimModel:
         self.token_text = [
             self._backend.decode([i], skip_special_tokens=False) for i in range(self.vocab_size)
         ]
+        #: Each id's text as UTF-8 bytes, as chat logprobs list them.
+        self.token_bytes = [list(text.encode()) for text in self.token_text]
         self.special_ids = frozenset(tokenizer.all_special_ids)
         # The prompts of a group's samples are the same: rendered once (oldest dropped first).
         self._rendered: dict[bytes, array[int]] = {}
+        # The drafts of a prompt are the same for each of its samples: encoded once.
+        self._replies: dict[str, tuple[int, ...]] = {}
         self._header = self.encode("assistant\n")
         self._empty_think = self.encode(EMPTY_THINK)
 
     def encode(self, text: str) -> list[int]:
         return list(self._backend.encode(text, add_special_tokens=False).ids)
+
+    def encode_reply(self, text: str) -> tuple[int, ...]:
+        """``encode(text)`` of a reply text, from a cache: a group's samples draw the same drafts."""
+        ids = self._replies.get(text)
+        if ids is None:
+            ids = remember(self._replies, text, tuple(self.encode(text)), REPLY_CACHE_SIZE)
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -89,10 +112,8 @@ class SimModel:
             except TemplateError as exc:
                 raise ValueError(f"the chat template cannot render these messages: {exc}") from exc
             # What apply_chat_template(tokenize=True) does next, without its Python wrapping.
-            cached = array("i", self.encode(cast(str, text)))  # 4 bytes an id, not 36
-            if len(self._rendered) >= RENDER_CACHE_SIZE:
-                self._rendered.pop(next(iter(self._rendered)))
-            self._rendered[key] = cached
+            ids = array("i", self.encode(cast(str, text)))  # 4 bytes an id, not 36
+            cached = remember(self._rendered, key, ids, RENDER_CACHE_SIZE)
         return list(cached)
 
     def open_reply(self, prompt_ids: Sequence[int]) -> OpenReply | None:

@@ -16,6 +16,13 @@ the first ``stop`` string or stop token id (``finish_reason`` "stop"), then at `
 ("length"), then, with probability ``abort_rate``, at a random token ("abort", no end-of-turn).
 Each output id gets a made-up logprob (finite, <= 0), drawn from the reply's generator.
 
+Time, as an engine spends it, per token sampled: ``share`` is the part of the whole reply (the
+reply so far and the rest, had nothing interrupted it) a generation sampled. A reply from the
+start that is not aborted is the whole (1, however ``max_tokens`` or a stop cut it); an aborted
+one is the tokens it got of the whole; a continuation is its new tokens of the whole. The server
+charges a request its latency times its ``share``, so an aborted reply and its continuation take
+together the time of the uninterrupted one.
+
 A prompt that ends inside an assistant reply is continued: of every draft the model could give
 here, the first whose ids (else text) begin with the reply so far goes on from there, so an
 aborted reply continued from its tokens ends as the uninterrupted one would have; a reply so far
@@ -84,6 +91,8 @@ class Generation:
     finish_reason: str  # stop, length, abort
     matched_stop: int | str | None = None  # the end-of-turn or stop token id, or the stop string
     stop_at: int | None = None  # where a matched stop string starts in the decoded text
+    #: The part of the whole reply this generation sampled (its time, see the module docstring).
+    share: float = 1.0
 
 
 def plan_reply(
@@ -144,7 +153,7 @@ def generate(
     if partial_text:
         ids = _continuation(model, plan, draft, partial_ids or (), partial_text)
     else:
-        ids = [*model.encode(draft.text), model.eos_id]
+        ids = [*model.encode_reply(draft.text), model.eos_id]
     finish_reason = "stop"
     matched: int | str | None = None
     stop_at: int | None = None
@@ -155,12 +164,15 @@ def generate(
         ids, matched, stop_at = ids[: cut[0]], cut[1], cut[2]
     if limits.max_tokens is not None and len(ids) > limits.max_tokens:
         ids, finish_reason, matched, stop_at = ids[: limits.max_tokens], "length", None, None
+    whole = len(partial_ids or ()) + len(ids)  # the reply, had nothing interrupted it
     if aborted:
         body = ids[:-1] if ids and ids[-1] == model.eos_id else ids
         end = fault_rng.randint(1, len(body) - 1) if len(body) > 1 else 0
         ids, finish_reason, matched, stop_at = body[:end], "abort", None, None
-    drawn = [-round(reply_rng.expovariate(4.0), 4) for _ in ids] if logprobs else []
-    return Generation(ids, drawn, finish_reason, matched, stop_at)
+    draw = reply_rng.expovariate
+    drawn = [-round(draw(4.0), 4) for _ in ids] if logprobs else []
+    share = len(ids) / whole if whole else 1.0
+    return Generation(ids, drawn, finish_reason, matched, stop_at, share)
 
 
 def _draft(thinking: bool, thought: str, reply: str, answer: str | None = None) -> Draft:
@@ -174,7 +186,7 @@ def _continuation(
     for option in (draft, *plan.options):
         if not option.text.startswith(partial_text):
             continue
-        ids = model.encode(option.text)
+        ids = model.encode_reply(option.text)
         if partial_ids and list(ids[: len(partial_ids)]) == list(partial_ids):
             return [*ids[len(partial_ids) :], model.eos_id]
         return [*model.encode(option.text[len(partial_text) :]), model.eos_id]
