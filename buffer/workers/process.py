@@ -41,6 +41,9 @@ class WorkerOutcome:
     returncode: int | None
     error: str | None = None
     where: str | None = None
+    #: Lost rather than failed: killed from outside (SIGKILL: the OOM killer, an operator) or
+    #: its Ray actor died; the job replaces it instead of failing.
+    lost: bool = False
 
 
 @dataclass(eq=False)
@@ -159,7 +162,7 @@ class WorkerProcess:
         error = raw.get("error")
         if status == "failed" and error is None:  # it could not say: killed, or os._exit
             error = f"the worker process {exit_text(code)}"
-        return WorkerOutcome(status, code, error, raw.get("where"))
+        return WorkerOutcome(status, code, error, raw.get("where"), lost=code == -signal.SIGKILL)
 
 
 def group_alive(pgid: int) -> bool:

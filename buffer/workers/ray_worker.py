@@ -122,7 +122,7 @@ class RayWorker:
         try:
             raw: dict[str, Any] = await asyncio.shield(self._ref)
         except ray.exceptions.RayActorError as exc:
-            self.outcome = WorkerOutcome("failed", None, f"the Ray actor died: {_first_line(exc)}")
+            self.outcome = WorkerOutcome("failed", None, f"the Ray actor died: {_first_line(exc)}", lost=True)
         except ray.exceptions.RayError as exc:
             self.outcome = WorkerOutcome("failed", None, f"Ray: {_first_line(exc)}")
         else:

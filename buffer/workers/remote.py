@@ -28,6 +28,7 @@ import httpx
 from buffer.client.base import key_or_env
 from buffer.logs import configure_logging
 from buffer.workers import child
+from buffer.workers.leased import chunk_size
 from buffer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
             "ttl_s": args.lease_ttl_s,
             "index": index,
             "count": count,
+            "chunk": chunk_size(data.get("num_process", 100)),
         }
         index, count = 0, 1
     spec = WorkerSpec(
