@@ -370,8 +370,10 @@ class JobManager:
                 done, _ = await asyncio.wait(
                     running, timeout=min(ttl_s / 4, 1.0), return_when=asyncio.FIRST_COMPLETED
                 )
-                if job.done:
-                    return None
+                if job.done:  # cancelled: the cancel stops the workers; let their wait() see it
+                    for finished in done:
+                        running.pop(finished)
+                    continue
                 for name in self.leases.expired(job.task_type):
                     stuck = next((w for _, n, w in running.values() if n == name), None)
                     if stuck is not None and name not in hung:
