@@ -170,7 +170,8 @@ async def test_workers_make_every_item_once_between_them() -> None:
     board, plan, made = LeaseBoard(), _plan(), []
     await asyncio.gather(*(_work(board, plan, index, 3, made) for index in range(3)))
     keys = _keys(made)
-    assert len(keys) == plan.total() and set(keys.values()) == {1}
+    assert len(keys) == plan.total()
+    assert set(keys.values()) == {1}
     assert len({name for name, _ in made}) == 3  # each did some
 
 
@@ -181,7 +182,8 @@ async def test_a_released_workers_items_and_unclaimed_share_go_to_the_others() -
     assert board.release("t", "w0") > 0  # as the service does when its process is gone
     await _work(board, plan, 1, 2, made)
     keys = _keys(made)
-    assert len(keys) == plan.total() and set(keys.values()) == {1}
+    assert len(keys) == plan.total()
+    assert set(keys.values()) == {1}
 
 
 @pytest.mark.anyio
@@ -190,4 +192,5 @@ async def test_a_silent_remote_workers_items_are_taken_after_its_lease() -> None
     await _work(board, plan, 0, 2, made, stop_after=3, ttl_s=0.2)
     await _work(board, plan, 1, 2, made, ttl_s=0.2)  # waits out w0's lease, then makes its items
     keys = _keys(made)
-    assert len(keys) == plan.total() and set(keys.values()) == {1}
+    assert len(keys) == plan.total()
+    assert set(keys.values()) == {1}
