@@ -77,10 +77,22 @@ def test_a_job_on_ray_actors_completes_with_exact_counts_and_cancels(
         "num_workers": 2,
     }
     job = http.post("/start_rollout", json=start).json()["job"]
+
+    def reporting(job: dict[str, Any]) -> bool:  # as worker processes do: counts and memory
+        workers = job["workers"]
+        return job["status"] != "running" or (
+            len(workers) == 2
+            and all(worker["rss_bytes"] for worker in workers)
+            and job["progress"].get("completed", 0) > 0
+        )
+
+    running = _wait(http, job["id"], reporting, 240)
+    assert running["status"] == "running", running
     done = _wait(http, job["id"], lambda job: job["status"] != "running", 240)
     assert done["status"] == "succeeded", done
     assert [worker["ray_actor"] is not None for worker in done["workers"]] == [True, True]
     assert done["counters"]["written"] == 64 * 2
+    assert done["progress"]["completed"] == 64 * 2  # the actors' last counts, added up
     items = http.post("/get_rollout_data", json={"task_type": "toolkit"}).json()["data"]["data"]
     instances = Counter(item["instance_id"] for item in items)
     assert len(instances) == 64
