@@ -44,10 +44,14 @@ class _RayError(Exception):
 
 
 @pytest.fixture
-def fake_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+def killed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """A stand-in for the ``ray`` module; the actors it was asked to kill."""
+    actors: list[Any] = []
     errors = SimpleNamespace(RayActorError=_RayError, RayError=_RayError)
-    monkeypatch.setattr(ray_worker, "_ray", lambda: SimpleNamespace(exceptions=errors))
+    fake = SimpleNamespace(exceptions=errors, kill=lambda actor, no_restart: actors.append(actor))
+    monkeypatch.setattr(ray_worker, "_ray", lambda: fake)
     monkeypatch.setattr(ray_worker, "REPORT_INTERVAL_S", 0.01)
+    return actors
 
 
 def _running(actor: _Actor, result: asyncio.Future[Any]) -> RayWorker:
@@ -58,11 +62,13 @@ def _running(actor: _Actor, result: asyncio.Future[Any]) -> RayWorker:
 
 
 @pytest.mark.anyio
-@pytest.mark.usefixtures("fake_ray")
-async def test_a_running_actor_reports_its_progress_and_memory_and_its_last_counts_stay() -> None:
+async def test_a_running_actor_reports_its_progress_and_memory_and_its_last_counts_stay(
+    killed: list[Any],
+) -> None:
     report = {"progress": {"completed": 3, "total": 10}, "rss_bytes": 123_000_000, "pid": 4242}
     result: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    worker = _running(_Actor(report), result)
+    actor = _Actor(report)
+    worker = _running(actor, result)
     await asyncio.sleep(0.05)
     described = worker.describe()
     assert (described["rss_bytes"], described["pid"], described["status"]) == (123_000_000, 4242, "running")
@@ -74,10 +80,11 @@ async def test_a_running_actor_reports_its_progress_and_memory_and_its_last_coun
     assert worker.rss_bytes() is None
     assert worker._reporter is not None
     assert worker._reporter.done()
+    assert killed == [actor]  # its process and CPU freed for the next job's actors
 
 
 @pytest.mark.anyio
-@pytest.mark.usefixtures("fake_ray")
+@pytest.mark.usefixtures("killed")
 async def test_an_actor_that_cannot_answer_leaves_the_last_report_and_its_death_is_a_loss() -> None:
     result: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
     worker = _running(_Actor(_RayError("busy")), result)

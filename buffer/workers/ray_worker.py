@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 KILL_WAIT_S = 5.0
 #: How often the service asks a running actor for its progress and memory.
 REPORT_INTERVAL_S = 1.0
+#: This package's folder: first on the path of a ``local`` instance's actors.
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 _connected: str | None = None
 _connect_lock = threading.Lock()
 
@@ -141,8 +143,12 @@ class RayWorker:
         ray = _ray()
         actor_class = ray.remote(num_cpus=1, max_concurrency=3)(GeneratorActor)
         options: dict[str, Any] = {}
-        if self.env:
-            options["runtime_env"] = {"env_vars": self.env}
+        env = dict(self.env)
+        if self.address == "local":  # the service's own instance runs the service's own code
+            paths = (_PACKAGE_ROOT, os.environ.get("PYTHONPATH", ""))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        if env:
+            options["runtime_env"] = {"env_vars": env}
         self._actor = actor_class.options(**options).remote()
         self._ref = asyncio.wrap_future(self._actor.run.remote(self.spec.to_json()).future())
         self._reporter = asyncio.create_task(self._poll(), name=f"{self.spec.job_id}-ray-report")
@@ -167,6 +173,9 @@ class RayWorker:
             )
         finally:
             await self._stop_polling()
+        # Its run is over: free the actor's process and its CPU for the next job's actors.
+        with contextlib.suppress(Exception):
+            ray.kill(self._actor, no_restart=True)
         return self.outcome
 
     async def _poll(self) -> None:
