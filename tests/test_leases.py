@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import time
 from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
+from fastapi.testclient import TestClient
 
 from buffer.jobs import Job, _current_job
 from buffer.toolkit.dataset import Plan
@@ -194,3 +199,51 @@ async def test_a_silent_remote_workers_items_are_taken_after_its_lease() -> None
     keys = _keys(made)
     assert len(keys) == plan.total()
     assert set(keys.values()) == {1}
+
+
+PROBE = """
+import json
+from buffer.workers.leased import BoardLeases, lease_client
+TASK_TYPE = "probe"
+
+async def run_rollout(data):
+    client = lease_client("probe", data["leases"])
+    granted = await client.claim(["0|q1|0"], {"0": 1})
+    with open(data["probe_file"], "w") as out:
+        json.dump({"direct": isinstance(client, BoardLeases), "granted": granted}, out)
+"""
+
+
+def test_a_job_in_the_services_process_claims_from_the_board_itself(
+    make_client: Callable[..., TestClient], generator_dir: Path, tmp_path: Path
+) -> None:
+    (generator_dir / "probe_generator.py").write_text(PROBE)
+    client = make_client()
+    probe = tmp_path / "probe.json"
+    job = client.post("/start_rollout", json={"task_type": "probe", "probe_file": str(probe)}).json()["job"]
+    deadline = time.monotonic() + 10
+    while client.get(f"/jobs/{job['id']}").json()["data"]["status"] == "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert json.loads(probe.read_text()) == {"direct": True, "granted": ["0|q1|0"]}
+
+
+def test_the_lease_routes_take_the_plan_and_say_what_nobody_holds(client: TestClient) -> None:
+    body = {"worker": "a", "offer": ["0|q1|0", "0|q1|1"], "ttl_s": 5, "plan": {"0": 4}}
+    response = client.post("/tasks/math/leases", json=body)
+    assert response.json()["data"] == {"granted": ["0|q1|0", "0|q1|1"]}
+    response = client.post("/tasks/math/leases/orphans", json={"worker": "b", "limit": 10})
+    assert response.json()["data"] == {"granted": [], "held_by_others": 2, "unmade": 2}
+    response = client.post("/tasks/math/leases", json={"worker": "a", "plan": {"0": -1}})
+    assert response.status_code == 422
+
+
+def test_a_lease_ttl_is_checked_before_a_job_starts(
+    make_client: Callable[..., TestClient], generator_dir: Path
+) -> None:
+    (generator_dir / "probe_generator.py").write_text(PROBE)
+    client = make_client()
+    for bad in (0, -1, 3601, "soon", True):
+        response = client.post("/start_rollout", json={"task_type": "probe", "lease_ttl_s": bad})
+        assert response.status_code == 422, bad
+        assert response.json()["errors"][0]["field"] == "lease_ttl_s"

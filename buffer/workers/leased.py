@@ -147,14 +147,16 @@ async def leased(plan: Plan, task_type: str, leases: dict[str, Any]) -> AsyncIte
     index = int(leases.get("index", 0)) % count
     chunk = max(1, int(leases.get("chunk", DEFAULT_CHUNK)))
     whole = dataclasses.replace(plan, share=(0, 1))
-    sizes = Counter(str(sample.epoch) for sample in whole)
+    # The plan's size per epoch lets the board forget each epoch once made; one worker of the
+    # job tells it (every worker's plan is the same): reading the whole plan costs each worker.
+    sizes = Counter(str(sample.epoch) for sample in whole) if index == 0 else None
     heartbeat = asyncio.create_task(_heartbeat(client), name="lease-heartbeat")
     first = True
 
     async def claim(samples: list[Sample]) -> list[Sample]:
         nonlocal first
         by_key = {item_key(s.epoch, s.instance_id, s.repeat): s for s in samples}
-        granted = await client.claim(list(by_key), dict(sizes) if first else None)
+        granted = await client.claim(list(by_key), dict(sizes) if first and sizes else None)
         first = False
         return [by_key[key] for key in granted]
 
