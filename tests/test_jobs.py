@@ -149,8 +149,9 @@ def wait_for(check: Any, timeout_s: float, what: str) -> Any:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", [1, 2])
 def test_a_job_resumed_after_sigkill_makes_each_group_exactly_once(
-    simulator: str, generator_dir: Path, tmp_path: Path
+    simulator: str, generator_dir: Path, tmp_path: Path, workers: int
 ) -> None:
     (generator_dir / "slow_generator.py").write_text(SLOW)
     rows = tmp_path / "rows.jsonl"
@@ -165,6 +166,7 @@ def test_a_job_resumed_after_sigkill_makes_each_group_exactly_once(
         "num_repeat_per_sample": 4,
         "num_epoch": 2,
         "num_process": 4,
+        "num_workers": workers,  # each resumed worker leases from the same, resumed plan
         "max_tokens": 16,
         "group_timeout_seconds": 120,
     }
