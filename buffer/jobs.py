@@ -119,6 +119,8 @@ class Job:
     restarts: int = 0  # of its workers, after one was lost
     #: The service's lease board, for a generator running in the service's own process.
     lease_board: LeaseBoard | None = field(default=None, repr=False)
+    #: Tasks its generator leaves running until the run ends (the leases' heartbeat).
+    background: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -453,6 +455,12 @@ class JobManager:
             self._finish(job, JobStatus.SUCCEEDED)
             logger.info("%s: %s generator finished", job.id, job.task_type)
         finally:
+            # A sync generator's tasks ran on its thread's loop, closed by now; the others on this.
+            loop = asyncio.get_running_loop()
+            for task in job.background:
+                with contextlib.suppress(RuntimeError):  # its loop has closed
+                    task.get_loop().call_soon_threadsafe(task.cancel)
+            await asyncio.gather(*(t for t in job.background if t.get_loop() is loop), return_exceptions=True)
             self.leases.close(job.task_type, opened)
             _current_job.reset(token)
 

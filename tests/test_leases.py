@@ -164,6 +164,14 @@ async def _work(
                 board.observe("t", written(str(sample.instance_id), sample.repeat, sample.epoch))
     finally:
         _current_job.reset(token)
+        await _end_run(job)
+
+
+async def _end_run(job: Job) -> None:
+    """What the end of a run does to the tasks its generator left (the leases' heartbeat)."""
+    for task in job.background:
+        task.cancel()
+    await asyncio.gather(*job.background, return_exceptions=True)
 
 
 def _keys(made: list[tuple[str, Sample]]) -> Counter[str]:
@@ -199,6 +207,24 @@ async def test_a_silent_remote_workers_items_are_taken_after_its_lease() -> None
     keys = _keys(made)
     assert len(keys) == plan.total()
     assert set(keys.values()) == {1}
+
+
+@pytest.mark.anyio
+async def test_a_worker_done_walking_keeps_what_it_has_in_flight_until_its_run_ends() -> None:
+    """A long rollout outlasts the lease: its worker, done with the plan, still renews it."""
+    board, plan = LeaseBoard(), _plan(instances=2, repeats=1, epochs=1)
+    job = Job("job-1", "t", "g.py", {}, 0, lease_board=board)
+    token = _current_job.set(job)
+    try:
+        samples = [s async for s in leased(plan, "t", {"worker": "a", "ttl_s": 0.2, "chunk": 4})]
+    finally:
+        _current_job.reset(token)
+    assert len(samples) == 2  # granted; their trajectories are still being made
+    await asyncio.sleep(0.5)  # more than the lease
+    assert board.orphans("t", "b", limit=10, ttl_s=0.2)[0] == []
+    await _end_run(job)  # the worker's run ends without writing them (it was lost)
+    await asyncio.sleep(0.3)
+    assert len(board.orphans("t", "b", limit=10, ttl_s=0.2)[0]) == 2
 
 
 PROBE = """

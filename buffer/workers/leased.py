@@ -34,6 +34,7 @@ from buffer.client.base import key_or_env
 from buffer.workers.leases import LeaseBoard, item_key
 
 if TYPE_CHECKING:  # the toolkit imports the service's jobs, which import this package
+    from buffer.jobs import Job
     from buffer.toolkit.dataset import Plan
     from buffer.toolkit.types import Sample
 
@@ -131,10 +132,8 @@ def chunk_size(num_process: Any) -> int:
 
 def lease_client(task_type: str, leases: dict[str, Any]) -> Leases:
     """The board of the service running this worker's job in this process, else HTTP."""
-    from buffer.jobs import current_job  # the jobs module imports this package
-
     worker, ttl_s = str(leases["worker"]), float(leases.get("ttl_s", 30))
-    job = current_job()
+    job = _job()
     if job is not None and job.lease_board is not None and not job.in_worker:
         return BoardLeases(job.lease_board, task_type, worker, ttl_s)
     return HttpLeases(str(leases["url"]), task_type, worker, ttl_s)
@@ -152,6 +151,7 @@ async def leased(plan: Plan, task_type: str, leases: dict[str, Any]) -> AsyncIte
     sizes = Counter(str(sample.epoch) for sample in whole) if index == 0 else None
     heartbeat = asyncio.create_task(_heartbeat(client), name="lease-heartbeat")
     first = True
+    walked = False
 
     async def claim(samples: list[Sample]) -> list[Sample]:
         nonlocal first
@@ -187,20 +187,36 @@ async def leased(plan: Plan, task_type: str, leases: dict[str, Any]) -> AsyncIte
                         yield sample
                 continue
             if held_by_others == 0:
+                walked = True
                 return
             await asyncio.sleep(min(client.ttl_s / 4, MAX_POLL_S))
     finally:
-        heartbeat.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await heartbeat
-        await client.aclose()
+        job = _job()
+        if walked and job is not None:
+            # What it still has in flight stays its own until written (a long rollout may take
+            # more than its lease): the heartbeat renews it until the run ends, with the event
+            # loop of a worker process, or with the job in the service's process.
+            job.background.add(heartbeat)
+        else:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
 
 
 async def _heartbeat(client: Leases) -> None:
-    while True:
-        await asyncio.sleep(client.ttl_s / 3)
-        with contextlib.suppress(httpx.HTTPError):
-            await client.claim([])
+    try:
+        while True:
+            await asyncio.sleep(client.ttl_s / 3)
+            with contextlib.suppress(httpx.HTTPError):
+                await client.claim([])
+    finally:
+        await client.aclose()
+
+
+def _job() -> Job | None:
+    from buffer.jobs import current_job  # the jobs module imports this package
+
+    return current_job()
 
 
 def _chunks(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
