@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 from fastapi.testclient import TestClient
 
@@ -26,8 +25,8 @@ from buffer.workers.leases import LeaseBoard, item_key
 from tests.factories import FakeClock, trajectory
 
 
-def written(instance_id: str, repeat: int, epoch: int = 0) -> bytes:
-    return orjson.dumps(trajectory(instance_id, extra_info={"epoch": epoch, "repeat": repeat}))
+def written(instance_id: str, repeat: int, epoch: int = 0) -> dict[str, Any]:
+    return trajectory(instance_id, extra_info={"epoch": epoch, "repeat": repeat})
 
 
 def test_an_item_is_granted_to_one_worker_at_a_time(clock: FakeClock) -> None:
@@ -64,7 +63,10 @@ def test_an_item_written_is_never_granted_again(clock: FakeClock) -> None:
 def test_writes_to_tasks_without_leases_are_ignored(clock: FakeClock) -> None:
     board = LeaseBoard(clock)
     board.observe("other", written("q1", 0))
-    board.observe("other", b"not json")
+    board.open("t")
+    board.observe("t", {"instance_id": "q1", "extra_info": {}})  # no plan's item: nothing to note
+    board.observe("t", {"instance_id": "q1", "extra_info": "?"})
+    assert board.tracked("t") == 0
     assert board.claim("other", "a", [item_key(0, "q1", 0)], ttl_s=1) == [item_key(0, "q1", 0)]
 
 

@@ -30,8 +30,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 #: Repeats beyond this are tracked as whole keys instead of bits (no unbounded bit masks).
 MAX_REPEAT_BIT = 4096
 
@@ -142,15 +140,14 @@ class LeaseBoard:
         with self._lock:
             self._tasks.setdefault(task_type, _Section()).owned.add(worker)
 
-    def observe(self, task_type: str, raw: bytes) -> None:
+    def observe(self, task_type: str, item: Mapping[str, Any]) -> None:
         """A trajectory reached the buffer: its item is done (for tasks with leases only)."""
         if task_type not in self._tasks:
             return
         try:
-            item = orjson.loads(raw)
             extra = item["extra_info"]
             key = item_key(extra["epoch"], item["instance_id"], extra["repeat"])
-        except (ValueError, TypeError, KeyError):  # not a trajectory of a plan
+        except (TypeError, KeyError):  # not a trajectory of a plan
             return
         with self._lock:
             section = self._tasks.get(task_type)
