@@ -243,4 +243,12 @@ def _chunks(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
 def _find(plan: Plan, keys: list[str]) -> list[Sample]:
     """The samples of ``plan`` with these keys (a rare path: a worker stopped)."""
     wanted = set(keys)
-    return [s for s in plan if item_key(s.epoch, s.instance_id, s.repeat) in wanted]
+    found = []
+    for sample in plan:
+        key = item_key(sample.epoch, sample.instance_id, sample.repeat)
+        if key in wanted:
+            wanted.discard(key)
+            found.append(sample)
+            if not wanted:
+                break
+    return found
