@@ -93,6 +93,8 @@ def test_orphans_keep_a_groups_repeats_together(clock: FakeClock) -> None:
     board.release("t", "a")
     granted, _, _ = board.orphans("t", "b", limit=3, ttl_s=1)
     assert granted == [item_key(0, "q1", r) for r in range(3)]
+    granted, _, _ = board.orphans("t", "c", limit=2, ttl_s=1)  # the limit never splits a group
+    assert granted == [item_key(0, "q2", r) for r in range(3)]
 
 
 def test_a_new_run_starts_afresh_and_a_closed_one_leaves_the_next_alone(clock: FakeClock) -> None:

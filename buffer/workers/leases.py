@@ -203,7 +203,12 @@ class LeaseBoard:
                     self._release(section, name)
             granted: list[str] = []
             if section.orphans and limit > 0:
-                for key in sorted(section.orphans)[:limit]:  # sorted: a group's keys side by side
+                last_group = None
+                for key in sorted(section.orphans):  # sorted: a group's keys side by side
+                    group = key.rpartition("|")[0]
+                    if len(granted) >= limit and group != last_group:
+                        break  # never a group split between two workers (a group reward needs all)
+                    last_group = group
                     del section.orphans[key]
                     section.held[key] = worker
                     holder.keys.add(key)
