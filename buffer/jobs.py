@@ -1,14 +1,19 @@
 """Running generators in the background, as jobs with a status.
 
 By default (``isolation="process"``) a job's generator runs in worker processes of its own
-(``buffer.workers``): ``num_workers`` of them (default 1), each running its share of the plan,
-each in its own process group. A worker that fails, exits or is killed fails the job with what
-happened (its exception and where, or its exit code or signal) and stops the others; the
-service carries on. A cancel stops every worker's whole group, SIGTERM then SIGKILL after
-``grace_s``, and returns only once they are gone: a restart never runs two at once. A worker
-killed by SIGKILL (the OOM killer, an operator) is not a bug of the generator: the job's
-workers are stopped and run again, told in ``data["resume"]`` what the buffer already holds,
-so no group is lost and none made twice (at most ``MAX_WORKER_RESTARTS`` times).
+(``buffer.workers``): ``num_workers`` of them (default 1), each in its own process group, each
+taking its work from the service's lease board (``buffer.workers.leases``, ``data["leases"]``;
+toolkit generators). A worker that fails or exits fails the job with what happened (its
+exception and where, or its exit code) and stops the others; the service carries on. A cancel
+stops every worker's whole group, SIGTERM then SIGKILL after ``grace_s``, and returns only once
+they are gone: a restart never runs two at once.
+
+A worker lost is not a bug of the generator: killed by SIGKILL (the OOM killer, an operator),
+a Ray actor that died, or a worker that stopped renewing its leases for ``lease_ttl_s`` (its
+event loop blocked; the service kills it first, so it cannot write what another now makes).
+Its items go back on the board for the others, and a new worker takes its place (at most
+``MAX_WORKER_RESTARTS`` times; after that the others carry on without it): no group is lost,
+none is made twice.
 
 With ``isolation="inline"`` (tests, debugging) an async ``run_rollout`` runs as a task on the
 service's event loop; a sync one in a thread of its own (a generator may run for hours, so it
@@ -38,7 +43,6 @@ import importlib.util
 import itertools
 import logging
 import os
-import signal
 import threading
 import time
 import traceback
@@ -53,6 +57,7 @@ from buffer.job_policy import JobPolicy
 from buffer.registry import Generator, GeneratorRegistry, where
 from buffer.rollout_buffer import RolloutBuffer
 from buffer.workers import ray_worker
+from buffer.workers.leased import chunk_size
 from buffer.workers.leases import LeaseBoard
 from buffer.workers.process import WorkerOutcome, WorkerProcess
 from buffer.workers.ray_worker import RayWorker
@@ -65,9 +70,14 @@ CANCEL_WAIT_S = 5.0  # how long a cancel waits for an inline async generator to 
 MAX_WORKERS = 64
 #: The /start_rollout fields the service reads to run a job (not the generator): known for every
 #: generator, including one that lists the fields it reads in ``START_ROLLOUT_FIELDS``.
-JOB_FIELDS = frozenset({"num_workers", "ray_address"})
-#: A job whose worker is SIGKILLed runs again for what is missing at most this many times.
+JOB_FIELDS = frozenset({"num_workers", "ray_address", "lease_ttl_s"})
+#: A job's worker lost (killed, hung) is replaced at most this many times.
 MAX_WORKER_RESTARTS = 2
+#: A job's worker silent this long (no claim, no heartbeat) is taken for hung (``lease_ttl_s``).
+DEFAULT_LEASE_TTL_S = 30.0
+#: After a worker is gone, how long its last writes have to reach the buffer before its items
+#: are handed to others (a write it sent just before it died is still read from the socket).
+RELEASE_SETTLE_S = 0.5
 Isolation = Literal["process", "inline"]
 #: A job running at this many crashes of the service in a row is not resumed again.
 MAX_CRASHES = 2
@@ -109,7 +119,11 @@ class Job:
     where: str | None = None  # the innermost frame of the generator's code
     progress: dict[str, Any] = field(default_factory=dict)
     workers: list[WorkerProcess | RayWorker] = field(default_factory=list, repr=False)
-    restarts: int = 0  # of its workers, after one was killed
+    restarts: int = 0  # of its workers, after one was lost
+    #: The service's lease board, for a generator running in the service's own process.
+    lease_board: LeaseBoard | None = field(default=None, repr=False)
+    #: Tasks its generator leaves running until the run ends (the leases' heartbeat).
+    background: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -165,7 +179,7 @@ class JobManager:
         self._log_level = log_level
         self._worker_env = _worker_env(api_key)
         self._locks: dict[str, asyncio.Lock] = {}
-        #: Work leases for workers that ask for them (``rollout-buffer worker --leases``).
+        #: Work leases: a job's workers, and remote ones (``rollout-buffer worker --leases``).
         self.leases = LeaseBoard()
         self._buffer = buffer
         self._buffer_url = buffer_url
@@ -186,6 +200,14 @@ class JobManager:
         if workers > 1 and self.isolation == "inline":
             raise InvalidInput.one("num_workers", "more than 1 needs worker processes; jobs run inline here")
         checked["num_workers"] = workers
+        ttl_s = checked.get("lease_ttl_s", DEFAULT_LEASE_TTL_S)
+        try:
+            ttl_s = float(ttl_s)
+        except (TypeError, ValueError):
+            ttl_s = -1.0
+        if isinstance(checked.get("lease_ttl_s"), bool) or not 0 < ttl_s <= 3600:
+            raise InvalidInput.one("lease_ttl_s", "seconds, more than 0 and at most 3600")
+        checked["lease_ttl_s"] = ttl_s
         ray_address = checked.get("ray_address")
         if ray_address is not None and not (isinstance(ray_address, str) and ray_address):
             raise InvalidInput.one("ray_address", "a Ray cluster's address, e.g. ray://head:10001, or local")
@@ -282,30 +304,13 @@ class JobManager:
         job._task = asyncio.get_running_loop().create_task(run(job, generator), name=job.id)
 
     async def _run_workers(self, job: Job, generator: Generator) -> None:
-        data = job.data
+        opened = self.leases.open(job.task_type)
         try:
-            while True:
-                failure = await self._run_round(job, generator, data)
-                if failure is None or job.done:
-                    break
-                if failure.returncode == -signal.SIGKILL and job.restarts < MAX_WORKER_RESTARTS:
-                    # Killed from outside (the OOM killer, an operator): the job's other workers
-                    # were stopped too, so what the buffer holds is all that was made; run again
-                    # for the rest, as a job resumed after a restart of the service would.
-                    job.restarts += 1
-                    data = {**job.data, "resume": self._buffer.resume_point(job.task_type)}
-                    logger.warning(
-                        "%s: a worker was killed by SIGKILL; running the job's workers again for what "
-                        "is missing (restart %d of %d)",
-                        job.id,
-                        job.restarts,
-                        MAX_WORKER_RESTARTS,
-                    )
-                    continue
+            failure = await self._run_round(job, generator)
+            if failure is not None and not job.done:
                 status = JobStatus.CANCELLED if failure.status == "cancelled" else JobStatus.FAILED
                 self._finish(job, status, failure.error, at=failure.where)
                 logger.error("%s: %s worker %s: %s", job.id, job.task_type, failure.status, failure.error)
-                break
         except asyncio.CancelledError:
             await asyncio.shield(self._stop_workers(job))
             self._finish(job, JobStatus.CANCELLED)
@@ -318,48 +323,110 @@ class JobManager:
             if not job.done:
                 self._finish(job, JobStatus.SUCCEEDED)
                 logger.info("%s: %s generator finished", job.id, job.task_type)
+        finally:
+            self.leases.close(job.task_type, opened)
 
-    async def _run_round(self, job: Job, generator: Generator, data: dict[str, Any]) -> WorkerOutcome | None:
-        """Run the job's workers until all succeed (None) or one does not (its outcome; the
-        others are stopped)."""
+    async def _run_round(self, job: Job, generator: Generator) -> WorkerOutcome | None:
+        """Run the job's workers until all succeed (None) or one fails (its outcome; the others
+        are stopped). A worker lost, or hung past its lease, is replaced: see the docstring."""
+        data = job.data
         count = int(data.get("num_workers", 1))
-        policy = WorkerSpec.policy_fields(self.policy)
+        ttl_s = float(data.get("lease_ttl_s", DEFAULT_LEASE_TTL_S))
         ray_address = data.get("ray_address") or self.ray_address
-        specs = [
-            WorkerSpec(
+        # On a Ray cluster, the address the job names for the buffer: reachable from there.
+        url = str(data.get("remote_buffer_url") or self._buffer_url) if ray_address else self._buffer_url
+        generations = itertools.count()
+        running: dict[asyncio.Future[WorkerOutcome], tuple[int, str, WorkerProcess | RayWorker]] = {}
+        job.workers = []
+
+        async def spawn(index: int) -> None:
+            name = f"{job.id}/{index}.{next(generations)}"
+            self.leases.own(job.task_type, name)
+            share = _share_of(data, index, count)
+            leases = {"url": url, "worker": name, "ttl_s": ttl_s, "index": index, "count": count}
+            leases["chunk"] = chunk_size(share.get("num_process", 100))
+            spec = WorkerSpec(
                 job.id,
                 job.task_type,
                 str(generator.path),
-                _share_of(data, index, count),
-                # On a Ray cluster, the address the job names for the buffer: reachable from there.
-                str(data.get("remote_buffer_url") or self._buffer_url) if ray_address else self._buffer_url,
+                {**share, "leases": leases},
+                url,
                 index=index,
                 count=count,
                 log_level=self._log_level,
-                **policy,
+                **WorkerSpec.policy_fields(self.policy),
             )
-            for index in range(count)
-        ]
-        if ray_address:
-            key = self._worker_env.get("ROLLOUT_BUFFER_API_KEY")
-            env = {"ROLLOUT_BUFFER_API_KEY": key} if key and self._api_key else {}
-            job.workers = [RayWorker(spec, str(ray_address), env) for spec in specs]
-        else:
-            job.workers = [WorkerProcess(spec, env=self._worker_env) for spec in specs]
-        for worker in job.workers:
+            worker: WorkerProcess | RayWorker
+            if ray_address:
+                key = self._worker_env.get("ROLLOUT_BUFFER_API_KEY")
+                env = {"ROLLOUT_BUFFER_API_KEY": key} if key and self._api_key else {}
+                worker = RayWorker(spec, str(ray_address), env)
+            else:
+                worker = WorkerProcess(spec, env=self._worker_env)
+            job.workers.append(worker)
             await worker.start()
-        pending = {asyncio.ensure_future(worker.wait()) for worker in job.workers}
+            running[asyncio.ensure_future(worker.wait())] = (index, name, worker)
+
+        hung: set[str] = set()
         try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for index in range(count):
+                await spawn(index)
+            while running:
+                done, _ = await asyncio.wait(
+                    running, timeout=min(ttl_s / 4, 1.0), return_when=asyncio.FIRST_COMPLETED
+                )
+                if job.done:  # cancelled: the cancel stops the workers; let their wait() see it
+                    for finished in done:
+                        running.pop(finished)
+                    continue
+                for name in self.leases.expired(job.task_type):
+                    stuck = next((w for _, n, w in running.values() if n == name), None)
+                    if stuck is not None and name not in hung:
+                        hung.add(name)
+                        logger.warning(
+                            "%s: worker %s has not renewed its leases for %g s: stopping it",
+                            job.id,
+                            name,
+                            ttl_s,
+                        )
+                        await stuck.stop(0)
                 for finished in done:
+                    index, name, _ = running.pop(finished)
                     outcome = finished.result()
-                    if outcome.status != "succeeded":
-                        await self._stop_workers(job)  # the others' share is lost anyway
+                    if outcome.status == "succeeded":
+                        self.leases.release(job.task_type, name)
+                        continue
+                    if not (outcome.lost or name in hung):
+                        await self._stop_workers(job)  # a bug of the generator: the job fails
+                        return outcome
+                    await asyncio.sleep(RELEASE_SETTLE_S)
+                    released = self.leases.release(job.task_type, name)
+                    if job.restarts < MAX_WORKER_RESTARTS:
+                        job.restarts += 1
+                        logger.warning(
+                            "%s: worker %s lost (%s); its %d unmade items go back to the board, and "
+                            "a new worker takes its place (%d of %d)",
+                            job.id,
+                            name,
+                            outcome.error,
+                            released,
+                            job.restarts,
+                            MAX_WORKER_RESTARTS,
+                        )
+                        await spawn(index)
+                    elif running:
+                        logger.warning(
+                            "%s: worker %s lost (%s); the others take its %d unmade items",
+                            job.id,
+                            name,
+                            outcome.error,
+                            released,
+                        )
+                    else:
                         return outcome
             return None
         finally:
-            for waiting in pending:
+            for waiting in running:
                 waiting.cancel()
 
     async def _stop_workers(self, job: Job) -> None:
@@ -367,11 +434,17 @@ class JobManager:
 
     async def _run(self, job: Job, generator: Generator) -> None:
         token = _current_job.set(job)
+        # In this process the toolkit claims from the board itself (``leased.BoardLeases``).
+        opened = self.leases.open(job.task_type)
+        job.lease_board = self.leases
+        leases = {"worker": f"{job.id}/0.0", "ttl_s": float(job.data.get("lease_ttl_s", DEFAULT_LEASE_TTL_S))}
+        leases["chunk"] = chunk_size(job.data.get("num_process", 100))
+        data = {**job.data, "leases": leases}
         try:
             if generator.is_async:
-                await generator.run_rollout(job.data)
+                await generator.run_rollout(data)
             else:
-                await _run_in_own_thread(generator.run_rollout, job.data, name=job.id)
+                await _run_in_own_thread(generator.run_rollout, data, name=job.id)
         except asyncio.CancelledError:
             self._finish(job, JobStatus.CANCELLED)
             raise
@@ -385,6 +458,13 @@ class JobManager:
             self._finish(job, JobStatus.SUCCEEDED)
             logger.info("%s: %s generator finished", job.id, job.task_type)
         finally:
+            # A sync generator's tasks ran on its thread's loop, closed by now; the others on this.
+            loop = asyncio.get_running_loop()
+            for task in job.background:
+                with contextlib.suppress(RuntimeError):  # its loop has closed
+                    task.get_loop().call_soon_threadsafe(task.cancel)
+            await asyncio.gather(*(t for t in job.background if t.get_loop() is loop), return_exceptions=True)
+            self.leases.close(job.task_type, opened)
             _current_job.reset(token)
 
     def _finish(

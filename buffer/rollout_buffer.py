@@ -89,8 +89,8 @@ class RolloutBuffer:
         with ``strict_tasks`` a write to a task never configured (``configure_task``, or
         restored) is refused rather than grouped by the default settings."""
         self.strict_tasks = strict_tasks
-        #: Called (under the lock: keep it short) with the task and JSON of each new trajectory.
-        self.write_observers: list[Callable[[str, bytes], None]] = []
+        #: Called (under the lock: keep it short) with the task and each new trajectory as written.
+        self.write_observers: list[Callable[[str, Mapping[str, Any]], None]] = []
         self.default_settings = default_settings or TaskSettings()
         self._hooks_for = hooks_for or (lambda task_type: Hooks())
         self._clock = clock
@@ -226,6 +226,7 @@ class RolloutBuffer:
                 raise StorageFailed(journal.failure)
             now = self._clock()
             wall = self._wall_clock()
+            items = list(items)
             prepared = [
                 self._prepare(f"{index}." if numbered else "", item) for index, item in enumerate(items)
             ]
@@ -233,7 +234,7 @@ class RolloutBuffer:
                 self._check_room(prepared)
             results = []
             touched: set[TaskBuffer] = set()
-            for task, instance_id, record in prepared:
+            for (task, instance_id, record), item in zip(prepared, items, strict=True):
                 if record.uid in self._uids:
                     self.duplicates += 1
                     if journal is not None:
@@ -247,7 +248,7 @@ class RolloutBuffer:
                     journal.append(encode(header, [record.raw]))
                 task.add(instance_id, record, now)
                 for observe in self.write_observers:
-                    observe(task.task_type, record.raw)
+                    observe(task.task_type, item)
                 self._written_seq += 1
                 self.recent.append(
                     (self._written_seq, task.task_type, instance_id, record.uid, record.reward, wall)

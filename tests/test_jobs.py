@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -11,18 +12,23 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from buffer import jobs as jobs_module
 from buffer.app import create_app
 from buffer.demo import free_port, wait_ready
-from buffer.jobs import JobManager, JobStatus
-from buffer.registry import GeneratorRegistry
+from buffer.hooks import Hooks
+from buffer.jobs import MAX_WORKER_RESTARTS, JobManager, JobStatus
+from buffer.registry import Generator, GeneratorRegistry
 from buffer.rollout_buffer import RolloutBuffer
 from buffer.settings import Settings
+from buffer.workers.process import WorkerOutcome
+from buffer.workers.spec import WorkerSpec
 from tests.factories import trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,8 +155,9 @@ def wait_for(check: Any, timeout_s: float, what: str) -> Any:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", [1, 2])
 def test_a_job_resumed_after_sigkill_makes_each_group_exactly_once(
-    simulator: str, generator_dir: Path, tmp_path: Path
+    simulator: str, generator_dir: Path, tmp_path: Path, workers: int
 ) -> None:
     (generator_dir / "slow_generator.py").write_text(SLOW)
     rows = tmp_path / "rows.jsonl"
@@ -165,6 +172,7 @@ def test_a_job_resumed_after_sigkill_makes_each_group_exactly_once(
         "num_repeat_per_sample": 4,
         "num_epoch": 2,
         "num_process": 4,
+        "num_workers": workers,  # each resumed worker leases from the same, resumed plan
         "max_tokens": 16,
         "group_timeout_seconds": 120,
     }
@@ -255,3 +263,54 @@ def test_in_a_worker_process_a_generator_that_kills_itself_fails_only_its_job(
         assert done["error"] == "the worker process was killed by SIGKILL"
         assert done["worker_restarts"] == 2  # SIGKILL from outside is retried twice, then given up
         assert process.poll() is None
+
+
+class _LostWorker:
+    """A worker process stand-in: index 0 is killed (SIGKILL) at once, every time; the others
+    succeed a moment later."""
+
+    def __init__(self, spec: WorkerSpec, env: dict[str, str] | None = None) -> None:
+        self.spec = spec
+        self.pid = None
+        self.outcome: WorkerOutcome | None = None
+
+    async def start(self) -> None:
+        return None
+
+    async def wait(self) -> WorkerOutcome:
+        if self.spec.index == 0:
+            self.outcome = WorkerOutcome("failed", -9, "the worker process was killed by SIGKILL", lost=True)
+        else:
+            await asyncio.sleep(0.3)
+            self.outcome = WorkerOutcome("succeeded", 0)
+        return self.outcome
+
+    async def stop(self, grace_s: float) -> None:
+        return None
+
+    def progress(self) -> dict[str, Any]:
+        return {}
+
+    def describe(self) -> dict[str, Any]:
+        return {"index": self.spec.index, "status": self.outcome.status if self.outcome else "running"}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("workers", "status"), [(2, JobStatus.SUCCEEDED), (1, JobStatus.FAILED)])
+async def test_a_worker_lost_past_its_replacements_leaves_the_work_to_the_others(
+    monkeypatch: pytest.MonkeyPatch, workers: int, status: JobStatus
+) -> None:
+    """Each loss is replaced, twice at most; then the others finish the job (their leases take
+    its items), or, with none left, the job fails with what happened."""
+    monkeypatch.setattr(jobs_module, "WorkerProcess", _LostWorker)
+    monkeypatch.setattr(jobs_module, "RELEASE_SETTLE_S", 0.0)
+    manager = JobManager(RolloutBuffer(), "http://127.0.0.1:8889")
+    generator = Generator("t", Path("t_generator.py"), ModuleType("t"), lambda data: None, Hooks())
+    job = manager.start(generator, {"num_workers": workers})
+    assert job._task is not None
+    await job._task
+    assert job.status is status
+    assert job.restarts == MAX_WORKER_RESTARTS
+    assert len(job.workers) == workers + MAX_WORKER_RESTARTS
+    if status is JobStatus.FAILED:
+        assert job.error == "the worker process was killed by SIGKILL"

@@ -139,6 +139,25 @@ def run_rollout(data):
     for process in processes:
         process.join()
 """,
+    # Worker 0 blocks its event loop for good after a few trajectories: alive, no heartbeat.
+    "hanging": """
+import time
+from buffer.toolkit import run_rollouts
+TASK_TYPE = "hanging"
+
+async def run_rollout(data):
+    first = data["leases"]["worker"].endswith("/0.0")
+    scored = 0
+
+    async def reward(sample, episode):
+        nonlocal scored
+        scored += 1
+        if first and scored == 6:
+            time.sleep(600)
+        return float(sample.repeat)
+
+    await run_rollouts(data, reward=reward)
+""",
     # The toolkit against the simulator; rewards differ by repeat so every group is valid.
     "toolkit": """
 from buffer.toolkit import run_rollouts
@@ -342,9 +361,38 @@ def test_a_worker_killed_mid_run_loses_no_group_and_makes_none_twice(
     done = service.wait_done(job["id"], timeout_s=120)
     assert done["status"] == "succeeded", done
     assert done["worker_restarts"] == 1
+    # The other worker ran on, untouched; a new one took the lost one's place and leases.
+    lost, other, new = done["workers"]
+    assert lost["exit"] == "was killed by SIGKILL"
+    assert (other["pid"], other["status"]) == (running["workers"][1]["pid"], "succeeded")
+    assert (new["index"], new["status"]) == (0, "succeeded")
     assert done["progress"]["completed"] > 0  # the workers' counts, added up
     assert done["counters"]["written"] == 64 * 2
     items = service.http.post("/get_rollout_data", json={"task_type": "toolkit"}).json()["data"]["data"]
+    instances = Counter(item["instance_id"] for item in items)
+    assert len(instances) == 64
+    assert set(instances.values()) == {2}
+
+
+def test_a_hung_worker_is_stopped_and_its_items_made_by_others_once(
+    service: Service, simulated_engine: str
+) -> None:
+    job = service.start(
+        "hanging",
+        input_file=str(service.data / "math.jsonl"),
+        remote_engine_url=simulated_engine,
+        num_repeat_per_sample=2,
+        num_process=8,
+        num_workers=2,
+        group_timeout_seconds=600,
+        lease_ttl_s=2,
+    )
+    done = service.wait_done(job["id"], timeout_s=120)
+    assert done["status"] == "succeeded", done
+    assert done["worker_restarts"] == 1
+    assert done["workers"][0]["exit"] == "was killed by SIGKILL"  # it never ended by itself
+    assert done["counters"]["written"] == 64 * 2
+    items = service.http.post("/get_rollout_data", json={"task_type": "hanging"}).json()["data"]["data"]
     instances = Counter(item["instance_id"] for item in items)
     assert len(instances) == 64
     assert set(instances.values()) == {2}

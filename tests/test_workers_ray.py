@@ -81,13 +81,15 @@ def test_a_job_on_ray_actors_completes_with_exact_counts_and_cancels(
     assert done["status"] == "succeeded", done
     assert [worker["ray_actor"] is not None for worker in done["workers"]] == [True, True]
     assert done["counters"]["written"] == 64 * 2
+    assert done["progress"]["completed"] == 64 * 2  # the actors' last counts, added up
     items = http.post("/get_rollout_data", json={"task_type": "toolkit"}).json()["data"]["data"]
     instances = Counter(item["instance_id"] for item in items)
     assert len(instances) == 64
     assert set(instances.values()) == {2}
 
     waiting = http.post("/start_rollout", json={"task_type": "waiting"}).json()["job"]
-    _wait(http, waiting["id"], lambda job: job["status"] == "running" and job["workers"], 60)
+    # As a worker process, a running actor shows its memory (asked every second).
+    _wait(http, waiting["id"], lambda job: job["workers"] and job["workers"][0]["rss_bytes"], 60)
     time.sleep(2.0)
     response = http.post(f"/jobs/{waiting['id']}/cancel")
     assert response.status_code == 200, response.text

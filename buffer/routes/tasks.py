@@ -69,6 +69,9 @@ class LeaseClaim(BaseModel):
     worker: Annotated[StrictStr, Field(min_length=1, max_length=200)]
     offer: list[StrictStr] = Field(default_factory=list, max_length=10_000)
     ttl_s: float = Field(30.0, gt=0, le=3600)
+    plan: dict[StrictStr, Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="how many items each epoch of the worker's plan has (sent with its first claim)"
+    )
 
 
 class OrphanClaim(BaseModel):
@@ -83,7 +86,7 @@ class OrphanClaim(BaseModel):
 async def claim_leases(name: str, body: LeaseClaim, svc: Annotated[Services, Depends(services)]) -> Response:
     """Grant the worker the offered work items (``epoch|instance_id|repeat``) that nobody holds
     and none has made; renew its leases (an empty offer is a heartbeat)."""
-    granted = svc.jobs.leases.claim(name, body.worker, body.offer, body.ttl_s)
+    granted = svc.jobs.leases.claim(name, body.worker, body.offer, body.ttl_s, body.plan)
     return envelope(True, f"{len(granted)} granted", {"granted": granted})
 
 
@@ -91,6 +94,11 @@ async def claim_leases(name: str, body: LeaseClaim, svc: Annotated[Services, Dep
 async def claim_orphans(
     name: str, body: OrphanClaim, svc: Annotated[Services, Depends(services)]
 ) -> Response:
-    """Grant the worker items whose worker stopped renewing them; and how many others hold."""
-    granted, held_by_others = svc.jobs.leases.orphans(name, body.worker, body.limit, body.ttl_s)
-    return envelope(True, f"{len(granted)} granted", {"granted": granted, "held_by_others": held_by_others})
+    """Grant the worker items whose worker stopped; how many others hold, and how many items of
+    the plan nobody holds or made."""
+    granted, held_by_others, unmade = svc.jobs.leases.orphans(name, body.worker, body.limit, body.ttl_s)
+    return envelope(
+        True,
+        f"{len(granted)} granted",
+        {"granted": granted, "held_by_others": held_by_others, "unmade": unmade},
+    )

@@ -573,15 +573,16 @@ def _as_async(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
 
 
 async def _samples(plan: Plan, task_type: str, leases: dict[str, Any] | None) -> AsyncIterator[Sample]:
-    """The plan's samples; with ``leases`` (a worker of ``rollout-buffer worker --leases``),
-    those the buffer grants this worker (``buffer.workers.leases``)."""
+    """The plan's samples; with ``leases`` (a job's worker, or ``rollout-buffer worker
+    --leases``), those the buffer grants this worker from the whole plan
+    (``buffer.workers.leased``)."""
     if leases is None:
         for sample in plan:
             yield sample
         return
-    from buffer.workers.leases import leased
+    from buffer.workers.leased import leased
 
-    async for sample in leased(list(plan), {"task_type": task_type, **leases}):
+    async for sample in leased(plan, task_type, leases):
         yield sample
 
 

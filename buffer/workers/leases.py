@@ -1,186 +1,266 @@
 """Work leases: the service hands out a task's work items to the workers generating it, and
-takes back those of a worker that stopped renewing them, so a lost worker's share still gets
-made, and nothing is made twice into the buffer.
+takes back those of a worker that stopped, so a lost worker's share still gets made, and
+nothing is made twice into the buffer.
 
-A work item is one trajectory of the plan: ``epoch|instance_id|repeat``. Every worker walks
-the whole (seeded, identical) plan, each from its own offset, and offers the items it meets;
-the service grants each item to one worker at a time (``LeaseBoard.claim``). A worker renews
-its leases as it claims and on a heartbeat; once it stops for ``ttl_s`` its unfinished items are
-orphans, granted again to whichever worker asks (``orphans``). An item is done once its
+A work item is one trajectory of the plan: ``epoch|instance_id|repeat``. Every worker walks the
+same (seeded) plan and offers the items it meets, in chunks; the board grants each item to one
+worker at a time (``claim``). A worker's leases are renewed together, by any call it makes (a
+heartbeat is an empty claim): one expiry per worker, not per item. An item is done once its
 trajectory is in the buffer (the buffer's write observer, ``observe``), and is never granted
-again. The board lives in the service's memory; a restart of the service starts it afresh (a
-resumed job is told what the buffer holds instead). A worker cut off rather than dead, writing
-again after its leases were taken over, can make an item twice: the heartbeat keeps that to
-workers that really stopped.
+again.
+
+Two kinds of holder. A worker the service started (``own``: a job's worker process or Ray actor)
+keeps its leases past its expiry: the service sees it in ``expired``, stops it, and only then
+``release``\\s its items to the others, so a hung worker cannot write an item after another was
+given it. Any other worker (``rollout-buffer worker --leases``) loses its items to whoever asks
+for ``orphans`` once it has been silent for its ``ttl_s``: one cut off rather than dead, writing
+again later, can make an item twice; the heartbeat keeps that to workers that really stopped.
+
+What is done is kept compactly and not for ever: per epoch, one bit mask of made repeats per
+instance; workers report how many items each epoch of their plan has, and an epoch whose items
+are all made is forgotten but for its number (any item of it is refused at once). A job's run
+opens a board of its own for its task (``open``) and drops it when it ends (``close``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
+import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import httpx
-import orjson
-
-from buffer.client.base import key_or_env
-
-if TYPE_CHECKING:  # the toolkit imports the service's jobs, which hold the board
-    from buffer.toolkit.types import Sample
-
-logger = logging.getLogger(__name__)
+#: Repeats beyond this are tracked as whole keys instead of bits (no unbounded bit masks).
+MAX_REPEAT_BIT = 4096
 
 
 def item_key(epoch: Any, instance_id: Any, repeat: Any) -> str:
     return f"{epoch}|{instance_id}|{repeat}"
 
 
+def _split(key: str) -> tuple[str, str, int] | None:
+    """``key``'s epoch, instance and repeat (None: not a key a plan makes)."""
+    epoch, sep, rest = key.partition("|")
+    instance, sep2, repeat = rest.rpartition("|")
+    if not (sep and sep2):
+        return None
+    try:
+        number = int(repeat)
+    except ValueError:
+        return None
+    return (epoch, instance, number) if 0 <= number < MAX_REPEAT_BIT else None
+
+
 @dataclass(slots=True)
-class _TaskLeases:
-    held: dict[str, tuple[str, float]] = field(default_factory=dict)  # key -> (worker, expires)
-    done: set[str] = field(default_factory=set)
+class _Holder:
+    expires: float
+    keys: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Epoch:
+    made: dict[str, int] = field(default_factory=dict)  # instance -> bit mask of made repeats
+    count: int = 0  # items granted here and made
+
+
+@dataclass(slots=True)
+class _Section:
+    """One task's leases."""
+
+    held: dict[str, str] = field(default_factory=dict)  # key -> holder
+    holders: dict[str, _Holder] = field(default_factory=dict)
+    owned: set[str] = field(default_factory=set)  # workers the service stops itself
+    orphans: dict[str, None] = field(default_factory=dict)  # released, in the order released
+    epochs: dict[str, _Epoch] = field(default_factory=dict)  # epochs in progress
+    complete: set[str] = field(default_factory=set)  # epochs all made: their keys forgotten
+    odd: set[str] = field(default_factory=set)  # made keys a plan does not make (never forgotten)
+    sizes: dict[str, int] = field(default_factory=dict)  # epoch -> items in the workers' plan
+    made: int = 0  # items granted here and made, all epochs
+
+    def is_made(self, key: str) -> bool:
+        parts = _split(key)
+        if parts is None:
+            return key in self.odd
+        epoch, instance, repeat = parts
+        if epoch in self.complete:
+            return True
+        state = self.epochs.get(epoch)
+        return state is not None and bool(state.made.get(instance, 0) >> repeat & 1)
+
+    def mark_made(self, key: str, granted: bool) -> None:
+        parts = _split(key)
+        if parts is None:
+            self.odd.add(key)
+            return
+        epoch, instance, repeat = parts
+        if epoch in self.complete:
+            return
+        state = self.epochs.setdefault(epoch, _Epoch())
+        mask = state.made.get(instance, 0)
+        if mask >> repeat & 1:
+            return
+        state.made[instance] = mask | 1 << repeat
+        if not granted:  # written by no worker of the board's: refused later, not counted
+            return
+        state.count += 1
+        self.made += 1
+        size = self.sizes.get(epoch, 0)
+        if size and state.count >= size:
+            del self.epochs[epoch]
+            self.complete.add(epoch)
+
+    def unmade(self) -> int:
+        """Items of the plan neither made nor held by anyone (0 when the plan is unknown)."""
+        return max(0, sum(self.sizes.values()) - self.made - len(self.held) - len(self.orphans))
 
 
 class LeaseBoard:
-    """The service's leases, by task."""
+    """The service's leases, by task. Its calls are short and take a lock: the routes call it on
+    the event loop, the buffer's writes (``observe``) and an inline sync generator elsewhere."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._tasks: dict[str, _TaskLeases] = {}
+        self._tasks: dict[str, _Section] = {}
         self._clock = clock
+        self._lock = threading.Lock()
 
-    def observe(self, task_type: str, raw: bytes) -> None:
+    def open(self, task_type: str) -> object:
+        """A new run of the task: a board of its own, nothing held, nothing known as made.
+        Returns what ``close`` takes, so a run never closes the board of the run after it."""
+        with self._lock:
+            section = self._tasks[task_type] = _Section()
+            return section
+
+    def close(self, task_type: str, opened: object) -> None:
+        with self._lock:
+            if self._tasks.get(task_type) is opened:
+                del self._tasks[task_type]
+
+    def own(self, task_type: str, worker: str) -> None:
+        """``worker`` is the service's: its leases outlive their expiry until ``release``."""
+        with self._lock:
+            self._tasks.setdefault(task_type, _Section()).owned.add(worker)
+
+    def observe(self, task_type: str, item: Mapping[str, Any]) -> None:
         """A trajectory reached the buffer: its item is done (for tasks with leases only)."""
-        leases = self._tasks.get(task_type)
-        if leases is None:
+        if task_type not in self._tasks:
             return
-        with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
-            item = orjson.loads(raw)
+        try:
             extra = item["extra_info"]
             key = item_key(extra["epoch"], item["instance_id"], extra["repeat"])
-            leases.done.add(key)
-            leases.held.pop(key, None)
-
-    def claim(self, task_type: str, worker: str, offer: Iterable[str], ttl_s: float) -> list[str]:
-        """Grant ``worker`` the offered items nobody else holds and none has made; renew its
-        leases."""
-        leases = self._tasks.setdefault(task_type, _TaskLeases())
-        now = self._clock()
-        self._renew(leases, worker, now + ttl_s)
-        granted = []
-        for key in offer:
-            if key in leases.done:
-                continue
-            holder = leases.held.get(key)
-            if holder is None or holder[0] == worker or holder[1] <= now:
-                leases.held[key] = (worker, now + ttl_s)
-                granted.append(key)
-        return granted
-
-    def orphans(self, task_type: str, worker: str, limit: int, ttl_s: float) -> tuple[list[str], int]:
-        """Grant ``worker`` up to ``limit`` items whose holder stopped renewing; also how many
-        items others still hold (0: all but this worker's own are made)."""
-        leases = self._tasks.setdefault(task_type, _TaskLeases())
-        now = self._clock()
-        self._renew(leases, worker, now + ttl_s)
-        granted: list[str] = []
-        others = 0
-        for key, (holder, expires) in list(leases.held.items()):
-            if holder == worker:
-                continue
-            if expires <= now and len(granted) < limit:
-                leases.held[key] = (worker, now + ttl_s)
-                granted.append(key)
+        except (TypeError, KeyError):  # not a trajectory of a plan
+            return
+        with self._lock:
+            section = self._tasks.get(task_type)
+            if section is None:
+                return
+            holder = section.held.pop(key, None)
+            if holder is not None:
+                section.holders[holder].keys.discard(key)
+                granted = True
             else:
-                others += 1
-        return granted, others
+                granted = key in section.orphans
+                section.orphans.pop(key, None)
+            section.mark_made(key, granted)
+
+    def claim(
+        self,
+        task_type: str,
+        worker: str,
+        offer: Iterable[str],
+        ttl_s: float,
+        plan: Mapping[str, int] | None = None,
+    ) -> list[str]:
+        """Grant ``worker`` the offered items nobody holds and none has made; renew its leases.
+        ``plan``: how many items each epoch of the worker's plan has (sent once)."""
+        with self._lock:
+            section = self._tasks.setdefault(task_type, _Section())
+            holder = self._renew(section, worker, ttl_s)
+            if plan:
+                for epoch, size in plan.items():
+                    section.sizes[epoch] = max(section.sizes.get(epoch, 0), int(size))
+            granted = []
+            held = section.held
+            for key in offer:
+                if key in held or section.is_made(key):
+                    continue
+                held[key] = worker
+                holder.keys.add(key)
+                section.orphans.pop(key, None)
+                granted.append(key)
+            return granted
+
+    def orphans(self, task_type: str, worker: str, limit: int, ttl_s: float) -> tuple[list[str], int, int]:
+        """Grant ``worker`` up to ``limit`` released items (and those of other workers silent
+        past their expiry), a group's repeats together; also how many items other workers
+        hold, and how many of the plan nobody holds or made (a worker lost before claiming
+        them: walk the plan again)."""
+        with self._lock:
+            section = self._tasks.setdefault(task_type, _Section())
+            now = self._clock()
+            holder = self._renew(section, worker, ttl_s)
+            for name, state in list(section.holders.items()):
+                if name != worker and name not in section.owned and state.expires <= now:
+                    self._release(section, name)
+            granted: list[str] = []
+            if section.orphans and limit > 0:
+                last_group = None
+                for key in sorted(section.orphans):  # sorted: a group's keys side by side
+                    group = key.rpartition("|")[0]
+                    if len(granted) >= limit and group != last_group:
+                        break  # never a group split between two workers (a group reward needs all)
+                    last_group = group
+                    del section.orphans[key]
+                    section.held[key] = worker
+                    holder.keys.add(key)
+                    granted.append(key)
+            others = sum(len(state.keys) for name, state in section.holders.items() if name != worker)
+            return granted, others + len(section.orphans), section.unmade()
+
+    def expired(self, task_type: str) -> list[str]:
+        """The service's own workers that have not renewed their leases in time (hung)."""
+        with self._lock:
+            section = self._tasks.get(task_type)
+            if section is None:
+                return []
+            now = self._clock()
+            return [
+                name
+                for name, state in section.holders.items()
+                if name in section.owned and state.expires <= now
+            ]
+
+    def release(self, task_type: str, worker: str) -> int:
+        """``worker`` has stopped for good: its unmade items go to the others; how many."""
+        with self._lock:
+            section = self._tasks.get(task_type)
+            if section is None:
+                return 0
+            section.owned.discard(worker)
+            return self._release(section, worker)
+
+    def tracked(self, task_type: str) -> int:
+        """How many made items the board remembers one by one (its memory, for tests)."""
+        with self._lock:
+            section = self._tasks.get(task_type)
+            if section is None:
+                return 0
+            return sum(len(state.made) for state in section.epochs.values()) + len(section.odd)
+
+    def _renew(self, section: _Section, worker: str, ttl_s: float) -> _Holder:
+        expires = self._clock() + ttl_s
+        holder = section.holders.get(worker)
+        if holder is None:
+            holder = section.holders[worker] = _Holder(expires)
+        else:
+            holder.expires = expires
+        return holder
 
     @staticmethod
-    def _renew(leases: _TaskLeases, worker: str, expires: float) -> None:
-        for key, (holder, _) in list(leases.held.items()):
-            if holder == worker:
-                leases.held[key] = (worker, expires)
-
-
-class LeaseClient:
-    """A worker's side: claims, orphans and a heartbeat against the service's ``/tasks`` routes."""
-
-    def __init__(self, url: str, task_type: str, worker: str, ttl_s: float) -> None:
-        headers = {}
-        if key := key_or_env(None):
-            headers["authorization"] = f"Bearer {key}"
-        self._http = httpx.AsyncClient(
-            base_url=url.rstrip("/"), headers=headers, timeout=30.0, trust_env=False
-        )
-        self._path = f"/tasks/{task_type}/leases"
-        self.worker = worker
-        self.ttl_s = ttl_s
-
-    async def claim(self, offer: list[str]) -> list[str]:
-        body = await self._post(self._path, {"worker": self.worker, "offer": offer, "ttl_s": self.ttl_s})
-        granted: list[str] = body["granted"]
-        return granted
-
-    async def orphans(self, limit: int) -> tuple[list[str], int]:
-        body = await self._post(
-            f"{self._path}/orphans", {"worker": self.worker, "limit": limit, "ttl_s": self.ttl_s}
-        )
-        return body["granted"], body["held_by_others"]
-
-    async def heartbeat(self) -> None:
-        while True:
-            await asyncio.sleep(self.ttl_s / 3)
-            with contextlib.suppress(httpx.HTTPError):
-                await self.claim([])
-
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        for attempt in range(10):
-            try:
-                response = await self._http.post(path, json=body)
-                response.raise_for_status()
-                data: dict[str, Any] = response.json()["data"]
-                return data
-            except httpx.HTTPError:
-                if attempt == 9:
-                    raise
-                await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
-        raise AssertionError("unreachable")
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
-
-
-async def leased(samples: list[Sample], leases: dict[str, Any], chunk: int = 64) -> AsyncIterator[Sample]:
-    """The samples of ``samples`` (the whole plan) this worker is granted, then orphans of
-    workers that stopped, until every other worker's items are made.
-
-    ``leases``: ``url`` (the buffer), ``task_type``, ``worker`` (a name unique to this worker),
-    ``ttl_s``, and ``index``/``count`` to start walking the plan at a different place each."""
-    client = LeaseClient(leases["url"], leases["task_type"], leases["worker"], float(leases.get("ttl_s", 30)))
-    by_key = {item_key(s.epoch, s.instance_id, s.repeat): s for s in samples}
-    start = len(samples) * int(leases.get("index", 0)) // max(1, int(leases.get("count", 1)))
-    order = [*samples[start:], *samples[:start]]
-    heartbeat = asyncio.create_task(client.heartbeat(), name="lease-heartbeat")
-    try:
-        for at in range(0, len(order), chunk):
-            offered = [item_key(s.epoch, s.instance_id, s.repeat) for s in order[at : at + chunk]]
-            for key in await client.claim(offered):
-                yield by_key[key]
-        while True:
-            granted, held_by_others = await client.orphans(chunk)
-            for key in granted:
-                if key in by_key:
-                    logger.info("taking over %s from a worker that stopped", key)
-                    yield by_key[key]
-            if not granted and held_by_others == 0:
-                return
-            if not granted:
-                await asyncio.sleep(client.ttl_s / 4)
-    finally:
-        heartbeat.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await heartbeat
-        await client.aclose()
+    def _release(section: _Section, worker: str) -> int:
+        holder = section.holders.pop(worker, None)
+        if holder is None:
+            return 0
+        for key in holder.keys:
+            del section.held[key]
+            section.orphans[key] = None
+        return len(holder.keys)

@@ -41,6 +41,9 @@ class WorkerOutcome:
     returncode: int | None
     error: str | None = None
     where: str | None = None
+    #: Lost rather than failed: killed from outside (SIGKILL: the OOM killer, an operator) or
+    #: its Ray actor died; the job replaces it instead of failing.
+    lost: bool = False
 
 
 @dataclass(eq=False)
@@ -118,14 +121,7 @@ class WorkerProcess:
         """Its resident memory (Linux), None once it has exited."""
         if self.process is None or self.process.returncode is not None:
             return None
-        try:
-            status = Path(f"/proc/{self.pid}/status").read_text()
-        except OSError:
-            return None
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return None
+        return rss_of(self.process.pid)
 
     def progress(self) -> dict[str, Any]:
         """What the generator last reported (the toolkit's counts), kept once it has exited."""
@@ -159,7 +155,19 @@ class WorkerProcess:
         error = raw.get("error")
         if status == "failed" and error is None:  # it could not say: killed, or os._exit
             error = f"the worker process {exit_text(code)}"
-        return WorkerOutcome(status, code, error, raw.get("where"))
+        return WorkerOutcome(status, code, error, raw.get("where"), lost=code == -signal.SIGKILL)
+
+
+def rss_of(pid: int) -> int | None:
+    """The resident memory of process ``pid`` (Linux's /proc; None elsewhere or once gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return None
 
 
 def group_alive(pgid: int) -> bool:

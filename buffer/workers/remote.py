@@ -6,8 +6,9 @@ deduplicated by ``uid``, slowed by 429s; the key from ``ROLLOUT_BUFFER_API_KEY``
 ``--no-configure``, the task is configured first (``PUT /tasks/{name}``) with the data's group
 size and timeout, so its groups fill as the generator means them to, even with a buffer run
 with ``--strict-tasks``. ``--worker-index``/``--num-workers`` split the plan between several
-such workers, as a job's workers split it; with ``--leases`` the buffer hands the work out
-instead (``buffer.workers.leases``), so the share of a worker that stops is made by the others.
+such workers, a fixed share each; with ``--leases`` the buffer hands the work out instead, as
+it does to a job's own workers (``buffer.workers.leases``), so the share of a worker that stops
+is made by the others.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import httpx
 from buffer.client.base import key_or_env
 from buffer.logs import configure_logging
 from buffer.workers import child
+from buffer.workers.leased import chunk_size
 from buffer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
             "ttl_s": args.lease_ttl_s,
             "index": index,
             "count": count,
+            "chunk": chunk_size(data.get("num_process", 100)),
         }
         index, count = 0, 1
     spec = WorkerSpec(

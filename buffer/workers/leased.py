@@ -1,0 +1,254 @@
+"""A worker's side of the work leases (``buffer.workers.leases``): which samples of the plan it
+makes.
+
+``leases`` (``data["leases"]``, set by the service for a job's workers, or by ``rollout-buffer
+worker --leases``) names the worker, its ``index`` among ``count`` workers, the ``ttl_s`` of its
+leases and the ``chunk`` of items it claims at once. The walk:
+
+1. its own share of the plan (the groups a fixed split would give it), in chunks of whole
+   groups, claiming each chunk when it needs the next sample (items made or held are skipped);
+2. then the other workers' shares, each from its end backwards, until it meets a chunk their
+   worker has claimed (taking the tail of a slow or lost worker's share);
+3. then items released by workers that stopped (``orphans``), until no other worker holds
+   any; if the board then counts items of the plan nobody holds or made (a worker lost before
+   it claimed them), the whole plan is offered once more.
+
+A heartbeat renews the leases every ``ttl_s / 3`` on the worker's event loop: a worker whose loop
+is blocked stops renewing, and the service takes its items back. A worker in the service's
+process talks to the board directly; any other over HTTP (``POST /tasks/{name}/leases``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+import httpx
+
+from buffer.client.base import key_or_env
+from buffer.workers.leases import LeaseBoard, item_key
+
+if TYPE_CHECKING:  # the toolkit imports the service's jobs, which import this package
+    from buffer.jobs import Job
+    from buffer.toolkit.dataset import Plan
+    from buffer.toolkit.types import Sample
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK = 64
+#: A worker waiting for the others polls for orphans at least this often.
+MAX_POLL_S = 1.0
+
+
+class Leases(Protocol):
+    worker: str
+    ttl_s: float
+
+    async def claim(self, offer: list[str], plan: dict[str, int] | None = None) -> list[str]: ...
+
+    async def orphans(self, limit: int) -> tuple[list[str], int, int]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class BoardLeases:
+    """A worker in the service's process: the board itself, no HTTP."""
+
+    def __init__(self, board: LeaseBoard, task_type: str, worker: str, ttl_s: float) -> None:
+        self._board = board
+        self._task_type = task_type
+        self.worker = worker
+        self.ttl_s = ttl_s
+
+    async def claim(self, offer: list[str], plan: dict[str, int] | None = None) -> list[str]:
+        return self._board.claim(self._task_type, self.worker, offer, self.ttl_s, plan)
+
+    async def orphans(self, limit: int) -> tuple[list[str], int, int]:
+        return self._board.orphans(self._task_type, self.worker, limit, self.ttl_s)
+
+    async def aclose(self) -> None:
+        return None
+
+
+class HttpLeases:
+    """A worker elsewhere: the service's ``/tasks/{name}/leases`` routes."""
+
+    def __init__(self, url: str, task_type: str, worker: str, ttl_s: float) -> None:
+        headers = {}
+        if key := key_or_env(None):
+            headers["authorization"] = f"Bearer {key}"
+        self._http = httpx.AsyncClient(
+            base_url=url.rstrip("/"), headers=headers, timeout=30.0, trust_env=False
+        )
+        self._path = f"/tasks/{task_type}/leases"
+        self.worker = worker
+        self.ttl_s = ttl_s
+
+    async def claim(self, offer: list[str], plan: dict[str, int] | None = None) -> list[str]:
+        body: dict[str, Any] = {"worker": self.worker, "offer": offer, "ttl_s": self.ttl_s}
+        if plan:
+            body["plan"] = plan
+        granted: list[str] = (await self._post(self._path, body))["granted"]
+        return granted
+
+    async def orphans(self, limit: int) -> tuple[list[str], int, int]:
+        body = await self._post(
+            f"{self._path}/orphans", {"worker": self.worker, "limit": limit, "ttl_s": self.ttl_s}
+        )
+        return body["granted"], body["held_by_others"], body.get("unmade", 0)
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        for attempt in range(10):
+            try:
+                response = await self._http.post(path, json=body)
+                response.raise_for_status()
+                data: dict[str, Any] = response.json()["data"]
+                return data
+            except httpx.HTTPError:
+                if attempt == 9:
+                    raise
+                await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+def chunk_size(num_process: Any) -> int:
+    """Items claimed at once by a worker keeping ``num_process`` trajectories in flight: a claim
+    per half of them, so claims cost little per trajectory, and a lost worker leaves few
+    unstarted items held."""
+    try:
+        in_flight = int(num_process)
+    except (TypeError, ValueError):
+        return DEFAULT_CHUNK
+    return max(16, min(1024, in_flight // 2))
+
+
+def lease_client(task_type: str, leases: dict[str, Any]) -> Leases:
+    """The board of the service running this worker's job in this process, else HTTP."""
+    worker, ttl_s = str(leases["worker"]), float(leases.get("ttl_s", 30))
+    job = _job()
+    if job is not None and job.lease_board is not None and not job.in_worker:
+        return BoardLeases(job.lease_board, task_type, worker, ttl_s)
+    return HttpLeases(str(leases["url"]), task_type, worker, ttl_s)
+
+
+async def leased(plan: Plan, task_type: str, leases: dict[str, Any]) -> AsyncIterator[Sample]:
+    """The samples of ``plan`` (the whole plan, whatever its ``share``) this worker is granted."""
+    client = lease_client(task_type, leases)
+    count = max(1, int(leases.get("count", 1)))
+    index = int(leases.get("index", 0)) % count
+    chunk = max(1, int(leases.get("chunk", DEFAULT_CHUNK)))
+    whole = dataclasses.replace(plan, share=(0, 1))
+    # The plan's size per epoch lets the board forget each epoch once made; one worker of the
+    # job tells it (every worker's plan is the same): reading the whole plan costs each worker.
+    sizes = Counter(str(sample.epoch) for sample in whole) if index == 0 else None
+    heartbeat = asyncio.create_task(_heartbeat(client), name="lease-heartbeat")
+    first = True
+    walked = False
+
+    async def claim(samples: list[Sample]) -> list[Sample]:
+        nonlocal first
+        by_key = {item_key(s.epoch, s.instance_id, s.repeat): s for s in samples}
+        granted = await client.claim(list(by_key), dict(sizes) if first and sizes else None)
+        first = False
+        return [by_key[key] for key in granted]
+
+    try:
+        for samples in _chunks(dataclasses.replace(plan, share=(index, count)), chunk):
+            for sample in await claim(samples):
+                yield sample
+        for other in (*range(index + 1, count), *range(index)):
+            share = list(dataclasses.replace(plan, share=(other, count)))
+            for samples in _chunks(reversed(share), chunk):
+                granted = await claim(samples)
+                for sample in granted:
+                    yield sample
+                if len(granted) < len(samples):  # its worker got here first: the rest is its own
+                    break
+        walked_again = False
+        while True:
+            keys, held_by_others, unmade = await client.orphans(chunk)
+            if keys:
+                logger.info("%s: taking over %d items of a worker that stopped", client.worker, len(keys))
+                for sample in _find(whole, keys):
+                    yield sample
+                continue
+            if unmade and not walked_again:  # a worker was lost before it claimed its items
+                walked_again = True
+                for samples in _chunks(whole, chunk):
+                    for sample in await claim(samples):
+                        yield sample
+                continue
+            if held_by_others == 0:
+                walked = True
+                return
+            await asyncio.sleep(min(client.ttl_s / 4, MAX_POLL_S))
+    finally:
+        job = _job()
+        if walked and job is not None:
+            # What it still has in flight stays its own until written (a long rollout may take
+            # more than its lease): the heartbeat renews it until the run ends, with the event
+            # loop of a worker process, or with the job in the service's process.
+            job.background.add(heartbeat)
+        else:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+
+
+async def _heartbeat(client: Leases) -> None:
+    try:
+        while True:
+            await asyncio.sleep(client.ttl_s / 3)
+            with contextlib.suppress(httpx.HTTPError):
+                await client.claim([])
+    finally:
+        await client.aclose()
+
+
+def _job() -> Job | None:
+    from buffer.jobs import current_job  # the jobs module imports this package
+
+    return current_job()
+
+
+def _chunks(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
+    """``samples`` in lists of about ``size``, never splitting a group's repeats."""
+    chunk: list[Sample] = []
+    for sample in samples:
+        last = chunk[-1] if chunk else None
+        if (
+            last is not None
+            and len(chunk) >= size
+            and (sample.epoch, sample.instance_id)
+            != (
+                last.epoch,
+                last.instance_id,
+            )
+        ):
+            yield chunk
+            chunk = []
+        chunk.append(sample)
+    if chunk:
+        yield chunk
+
+
+def _find(plan: Plan, keys: list[str]) -> list[Sample]:
+    """The samples of ``plan`` with these keys (a rare path: a worker stopped)."""
+    wanted = set(keys)
+    found = []
+    for sample in plan:
+        key = item_key(sample.epoch, sample.instance_id, sample.repeat)
+        if key in wanted:
+            wanted.discard(key)
+            found.append(sample)
+            if not wanted:
+                break
+    return found
