@@ -283,7 +283,10 @@ def test_start_rollout_refuses_fields_a_declaring_generator_does_not_read(
     assert "weigths" in refused.text
     assert client.post("/start_rollout", json={"task_type": "legacy", "anything": 1}).status_code == 200
     # The service's own job fields are fields of /start_rollout for every generator.
-    workers = client.post("/start_rollout", json={"task_type": "strict", "restart": True, "num_workers": 1})
+    workers = client.post(
+        "/start_rollout",
+        json={"task_type": "strict", "restart": True, "num_workers": 1, "lease_ttl_s": 10},
+    )
     assert workers.status_code == 200, workers.text
 
 
