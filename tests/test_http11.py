@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -201,3 +203,10 @@ async def test_a_header_with_a_line_break_is_refused(serve: Callable[[Server], A
             await transport.post(url, b"{}", {"authorization": "Bearer x\r\nx-evil: 1"})
     finally:
         await transport.aclose()
+
+
+def test_a_worker_talking_to_http_engines_does_not_import_aiohttp() -> None:
+    """aiohttp is some 80 ms of a worker's start-up; only https engines (and the gateway) need it."""
+    code = "import sys, buffer.workers.child, buffer.toolkit; print('aiohttp' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
