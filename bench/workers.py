@@ -9,7 +9,10 @@ over ``--trajectories`` (the data set has trajectories / 8 rows, 8 samples each,
 - overall: all of them, from ``/start_rollout`` to the last one written, against C/L (worker
   start-up and the first L, when nothing can finish yet, included);
 - each process's CPU per trajectory in ms (the simulator, the service, the workers together; from
-  /proc, so other load on the machine barely changes it) and peak resident memory.
+  /proc, so other load on the machine barely changes it) and peak resident memory; for the
+  workers also from their first write on (``workers_steady_cpu_ms``: start-up left out);
+- ``first_write_s``: seconds from ``/start_rollout`` to the first trajectory in the buffer
+  (worker start-up, imports and the plan, plus one engine latency L).
 
 ``--generator trivial`` is a generator with a constant-time reward, so the figure is the
 plumbing's; ``--generator math`` is the shipped math task (``generator/base_generator.py``,
@@ -28,6 +31,7 @@ import argparse
 import contextlib
 import json
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,31 @@ async def run_rollout(data):
     await run_rollouts(data, reward=lambda sample, episode: float(sample.repeat % 2))
 """
 REPEATS = 8
+
+
+class CpuWatch:
+    """The last CPU time read of each worker process, every 50 ms from a thread of its own (a
+    process's /proc entry goes when it exits: the last reading is at most 50 ms before)."""
+
+    def __init__(self) -> None:
+        self.pids: set[int] = set()
+        self.last: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CpuWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            for pid in list(self.pids):
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    self.last[pid] = common.cpu_seconds(pid)
 
 
 def _data(folder: Path, rows: int) -> Path:
@@ -82,7 +111,12 @@ def measure(
         group_size=REPEATS,
         extra_args=["--generator-dir", str(generators), "--input-roots", str(folder)],
     )
-    with simulator, service, httpx.Client(base_url=service.url, timeout=60.0) as client:
+    with (
+        simulator,
+        service,
+        httpx.Client(base_url=service.url, timeout=60.0) as client,
+        CpuWatch() as cpu,
+    ):
         payload = {
             "task_type": task,
             "input_file": str(data),
@@ -102,21 +136,22 @@ def measure(
         times: list[tuple[float, int]] = []
         peak_service = 0
         peak_workers: dict[int, int] = {}
-        worker_cpu: dict[int, float] = {}
+        first_seen: tuple[int, float] | None = None  # (written, workers' CPU s) at the first write
         while True:
             client.post("/get_rollout_data", json={"task_type": task, "batch_size": -1})
             state = client.get(f"/jobs/{job['id']}").json()["data"]
             times.append((time.monotonic() - started, state["counters"]["written"]))
+            cpu.pids.update(worker["pid"] for worker in state["workers"] if worker["pid"])
+            if first_seen is None and times[-1][1] > 0:
+                first_seen = (times[-1][1], sum(cpu.last.values()))
             peak_service = max(peak_service, common.rss_bytes(service.pid))
             for worker in state["workers"]:
                 if worker["rss_bytes"]:
                     index = worker["index"]
                     peak_workers[index] = max(peak_workers.get(index, 0), worker["rss_bytes"])
-                    with contextlib.suppress(OSError):  # it may have exited since
-                        worker_cpu[index] = common.cpu_seconds(worker["pid"])
             if state["status"] != "running":
                 break
-            time.sleep(poll_s)
+            time.sleep(poll_s if first_seen else 0.1)  # finer until the first write, for first_write_s
         cpu_after = {name: common.cpu_seconds(pid) for name, pid in processes.items()}
         total = times[-1][1]
         finished = next(t for t in times if t[1] >= total)[0]  # the first poll that saw the last one
@@ -124,6 +159,11 @@ def measure(
         high = next(t for t in times if t[1] >= 0.8 * total)
         steady = (high[1] - low[1]) / (high[0] - low[0]) if high[0] > low[0] else float("nan")
         ideal = concurrency / latency_s
+        first_write_s = next(t for t, count in times if count > 0)
+        workers_cpu_s = sum(cpu.last.values())
+        steady_cpu_ms = float("nan")
+        if first_seen is not None and total > first_seen[0]:
+            steady_cpu_ms = 1000 * (workers_cpu_s - first_seen[1]) / (total - first_seen[0])
         per_trajectory_ms = {
             name: round(1000 * (cpu_after[name] - cpu_before[name]) / max(1, total), 3) for name in processes
         }
@@ -141,7 +181,9 @@ def measure(
             "overall_pct": round(100 * total / finished / ideal, 1),
             "simulator_cpu_ms": per_trajectory_ms["simulator"],
             "service_cpu_ms": per_trajectory_ms["service"],
-            "workers_cpu_ms": round(1000 * sum(worker_cpu.values()) / max(1, total), 3),
+            "workers_cpu_ms": round(1000 * workers_cpu_s / max(1, total), 3),
+            "workers_steady_cpu_ms": round(steady_cpu_ms, 3),
+            "first_write_s": round(first_write_s, 2),
             "service_rss_mb": round(peak_service / 2**20),
             "worker_rss_mb": [round(peak_workers[index] / 2**20) for index in sorted(peak_workers)],
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -131,3 +132,36 @@ def test_a_line_or_a_file_past_its_limit_is_an_error_that_says_so(tmp_path: Path
         read_rows(path, max_line_bytes=50)
     with pytest.raises(DatasetError, match="larger than 64"):
         read_rows(path, max_bytes=64)
+
+
+def test_the_total_of_a_long_plan_is_counted_not_walked() -> None:
+    """slime's benchmarks ask for 100,000 epochs: walking them took seconds before the first request."""
+    rows = [{"instance_id": f"q{i}", "prompt": "p"} for i in range(5)]
+    plan = Plan(rows, num_repeat_per_sample=8, num_epoch=10**12, share=(1, 3))
+    assert plan.total() == 8 * ((5 * 10**12 - 1 + 2) // 3)
+
+
+def test_the_counted_total_is_what_iteration_yields() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        rows = [
+            {"instance_id": i % 4 if rng.random() < 0.3 else i, "prompt": "p"}
+            for i in range(rng.randint(0, 7))
+        ]
+        skips = [rng.randint(0, 9) for _ in range(rng.randint(0, 4))]
+        resume = None
+        if rng.random() < 0.5:
+            finished = {str(rng.randint(0, 7)): rng.randint(1, 3) for _ in range(rng.randint(0, 3))}
+            held = {str(rng.randint(0, 7)): [rng.choice([0, 1, None])] for _ in range(rng.randint(0, 2))}
+            resume = ResumePoint(finished, held)
+        count = rng.randint(1, 3)
+        for index in range(count):
+            plan = Plan(
+                rows,
+                num_repeat_per_sample=rng.randint(1, 3),
+                num_epoch=rng.randint(1, 6),
+                skip_instance_ids=skips,
+                resume=resume,
+                share=(index, count),
+            )
+            assert plan.total() == len(list(plan)), plan

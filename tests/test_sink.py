@@ -25,7 +25,8 @@ def accepted(request: httpx.Request) -> httpx.Response:
 
 
 def sink(**kwargs: Any) -> HttpSink:
-    return HttpSink(BUFFER, backoff_s=0.001, max_backoff_s=0.01, **kwargs)
+    """Through an httpx client, which respx intercepts."""
+    return HttpSink(BUFFER, backoff_s=0.001, max_backoff_s=0.01, client=httpx.AsyncClient(), **kwargs)
 
 
 def sent_uids(route: respx.Route) -> list[str]:
@@ -165,3 +166,41 @@ def test_a_generator_in_the_service_writes_straight_into_the_buffer(
     assert len(data_out) == 4
     progress = client.get(f"/jobs/{job['job_id']}").json()["data"]["progress"]
     assert (progress["completed"], progress["failed"]) == (4, 0)
+
+
+@pytest.mark.anyio
+async def test_the_default_transport_batches_waits_out_429s_and_splits_refusals() -> None:
+    """Without a client the sink posts over the toolkit's HTTP/1.1 transport, to a real socket."""
+    from aiohttp import web
+
+    answers = iter([web.Response(status=429, headers={"Retry-After": "0"}), web.Response(status=503)])
+    received: list[list[str]] = []
+
+    async def write_batch(request: web.Request) -> web.StreamResponse:
+        assert request.headers["authorization"] == "Bearer secret"
+        batch = json.loads(await request.read())
+        uids = [item["uid"] for item in batch]
+        if "bad" in uids:
+            return web.json_response({"detail": "invalid"}, status=422)
+        refusal = next(answers, None)
+        if refusal is not None:
+            return refusal
+        received.append(uids)
+        return web.json_response({"success": True, "data": {"written": len(uids)}})
+
+    app = web.Application()
+    app.router.add_post("/buffer/write_batch", write_batch)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        writer = HttpSink(url, api_key="secret", batch_size=4, backoff_s=0.001, max_backoff_s=0.01)
+        uids = ["a", "b", "bad", "c", "d", "e"]
+        for uid in uids:
+            await writer.write({**trajectory(), "uid": uid})
+        await writer.aclose()
+    finally:
+        await runner.cleanup()
+    assert sorted(uid for batch in received for uid in batch) == ["a", "b", "c", "d", "e"]
+    assert (writer.written, writer.rejected) == (5, 1)

@@ -31,7 +31,7 @@ import random
 import stat
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -205,5 +205,31 @@ class Plan:
                 )
 
     def total(self) -> int:
-        """How many samples iteration yields."""
-        return sum(len(repeats) for _, _, repeats in self._groups())
+        """How many samples iteration yields, without walking every epoch: once the skips and
+        the resume point are used up (the first epoch or so), each later epoch holds every row
+        with all its repeats, and only this worker's share of their positions is counted."""
+        index, count = self.share
+        rows, repeats = len(self.rows), self.num_repeat_per_sample
+        if not rows:
+            return 0
+        skips = Counter(str(instance_id) for instance_id in self.skip_instance_ids)
+        progress = self.resume or ResumePoint()
+        # An epoch can skip or shorten a row only while some of these is left: at most this many.
+        special = sum(skips.values()) + sum(progress.finished.values()) + len(progress.held)
+        walked_epochs = min(self.num_epoch, special + 1 if special else 0)
+        total, position = 0, 0
+        if walked_epochs:
+            walk = replace(self, num_epoch=walked_epochs, share=(0, 1))
+            for group_position, (_, _, group_repeats) in enumerate(walk._all_groups()):
+                if group_position % count == index:
+                    total += len(group_repeats)
+                position = group_position + 1
+        plain_groups = rows * (self.num_epoch - walked_epochs)  # at positions [position, +plain_groups)
+        return total + repeats * (
+            _share_of(position + plain_groups, index, count) - _share_of(position, index, count)
+        )
+
+
+def _share_of(positions: int, index: int, count: int) -> int:
+    """How many of the positions ``0 .. positions - 1`` are ``index`` modulo ``count``."""
+    return max(0, (positions - index + count - 1) // count)

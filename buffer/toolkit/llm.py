@@ -1,10 +1,11 @@
 """The chat client for the policy server: SGLang, vLLM, or ``buffer.simulator``.
 
-It speaks the OpenAI Chat Completions protocol over aiohttp, called directly (``transport``):
-httpx over aiohttp cost two thirds of the service's busy time, and httpx's own pool collapses at
-the hundreds of concurrent requests a generator keeps in flight (encode/httpx#3215). SGLang's
-extensions are plain JSON fields anyway. Tests pass ``transport=httpx.AsyncHTTPTransport()``,
-which respx intercepts. Several engine URLs make a pool (``pool``): least in flight, a group's
+It speaks the OpenAI Chat Completions protocol over plain HTTP/1.1 on asyncio (``http11``;
+``https://`` engines through aiohttp): httpx over aiohttp cost two thirds of the service's busy
+time, aiohttp's own session still twice this transport's CPU per request, and httpx's own pool
+collapses at the hundreds of concurrent requests a generator keeps in flight
+(encode/httpx#3215). SGLang's extensions are plain JSON fields anyway. Tests pass
+``transport=httpx.AsyncHTTPTransport()``, which respx intercepts. Several engine URLs make a pool (``pool``): least in flight, a group's
 samples on one engine, dead engines taken out.
 
 Two kinds of failure are handled here, so generators never see them:
@@ -55,10 +56,10 @@ from buffer.toolkit.engines import (
     chat_tokens,
     error_message,
 )
+from buffer.toolkit.http11 import Http11Transport
 from buffer.toolkit.pool import EnginePool, routing_key
 from buffer.toolkit.transport import (
     ROUTING_KEY_HEADER,
-    AiohttpTransport,
     HttpxTransport,
     Reply,
     Transport,
@@ -157,7 +158,7 @@ class EngineClient:
     """One shared HTTP client to the policy server(s), with retries and counting: what the chat
     client and the token client (``tito.TokenClient``) have in common.
 
-    ``transport`` replaces the aiohttp session: a ``transport.Transport``, or any
+    ``transport`` replaces the HTTP transport (``http11``): a ``transport.Transport``, or any
     ``httpx.AsyncBaseTransport`` (tests: respx, an ASGI app). Several engine URLs make a pool
     (``pool.EnginePool``); each request carries the task's routing key (``pool.routing_key``),
     in the SGLang router's header too."""
@@ -183,9 +184,7 @@ class EngineClient:
         if api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
         if transport is None:
-            self._transport: Transport = AiohttpTransport(
-                max_connections=max_connections, timeout_s=timeout_s
-            )
+            self._transport: Transport = Http11Transport(max_connections=max_connections, timeout_s=timeout_s)
         elif isinstance(transport, httpx.AsyncBaseTransport):
             self._transport = HttpxTransport(transport, timeout_s=timeout_s)
         else:

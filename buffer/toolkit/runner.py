@@ -44,6 +44,7 @@ from buffer.toolkit.dataset import Plan, ResumePoint, read_rows
 from buffer.toolkit.engines import Engine
 from buffer.toolkit.failfast import FailFast, MisconfiguredEngine
 from buffer.toolkit.llm import ChatClient, ContinuePolicy, EngineClient, LLMStats, RetryPolicy
+from buffer.toolkit.offload import Offload
 from buffer.toolkit.pool import group_key, routing_key
 from buffer.toolkit.records import turn_records
 from buffer.toolkit.sink import HttpSink, RejectedTrajectory, TrajectorySink, open_sink
@@ -368,8 +369,9 @@ class _Run:
         self.progress = progress
         self.sink = sink
         self.rollout = rollout
-        self.reward = _as_async(reward) if reward is not None else None
-        self.group_reward = _as_async(group_reward) if group_reward is not None else None
+        self.offload = Offload()  # for a sync reward: off the event loop
+        self.reward = _as_async(reward, self.offload) if reward is not None else None
+        self.group_reward = _as_async(group_reward, self.offload) if group_reward is not None else None
         self.sampling = settings.sampling()
         self.groups: dict[tuple[int, Any], list[tuple[Sample, Episode | BaseException]]] = {}
         self.fail_fast = FailFast(settings.fail_fast_after)
@@ -414,6 +416,7 @@ class _Run:
             for task in list(tasks):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self.offload.close()
         if self.fatal is not None:
             raise self.fatal
 
@@ -559,14 +562,15 @@ class _Run:
         return trajectory
 
 
-def _as_async(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
-    """``fn`` as a coroutine function: an async one as it is, a sync one run in a thread, so a
-    slow reward never blocks the event loop. Decided once per run, not once per trajectory."""
+def _as_async(fn: Callable[..., Any], offload: Offload) -> Callable[..., Awaitable[Any]]:
+    """``fn`` as a coroutine function: an async one as it is, a sync one run in ``offload``'s
+    threads, so a slow reward never blocks the event loop. Decided once per run, not once per
+    trajectory."""
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):  # noqa: B004
         return fn
 
     async def in_thread(*args: Any) -> Any:
-        result = await asyncio.to_thread(fn, *args)
+        result = await offload.run(fn, *args)
         return await result if inspect.isawaitable(result) else result
 
     return in_thread

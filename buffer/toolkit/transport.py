@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import aiohttp
 import httpx
+
+if TYPE_CHECKING:
+    import aiohttp
 
 #: The SGLang router's (sgl-model-gateway) routing key: its ``consistent_hashing`` and ``manual``
 #: policies send every request with the same key to the same worker.
@@ -74,16 +76,22 @@ class AiohttpTransport:
     """One ``aiohttp.ClientSession``, opened on first use (it belongs to the running loop).
 
     At most ``max_connections`` connections (to all engines together), kept alive; a
-    connection is given ``connect_timeout_s`` to open and an answer ``timeout_s`` to come."""
+    connection is given ``connect_timeout_s`` to open and an answer ``timeout_s`` to come.
+    aiohttp is imported here, not with the module: a worker talking to ``http://`` engines
+    only (``http11``) does not pay its 80 ms of start-up."""
 
     def __init__(
         self, *, max_connections: int = 1000, timeout_s: float = 600.0, connect_timeout_s: float = 30.0
     ):
+        import aiohttp
+
         self.max_connections = max_connections
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
     def _open(self) -> aiohttp.ClientSession:
+        import aiohttp
+
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, ttl_dns_cache=300)
             self._session = aiohttp.ClientSession(
@@ -92,6 +100,8 @@ class AiohttpTransport:
         return self._session
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> Reply:
+        import aiohttp
+
         try:
             async with self._open().post(url, data=body, headers=headers) as response:
                 content = await response.read()
@@ -100,6 +110,8 @@ class AiohttpTransport:
             raise _unreachable(exc) from exc
 
     async def get(self, url: str, timeout_s: float) -> int:
+        import aiohttp
+
         try:
             timeout = aiohttp.ClientTimeout(total=timeout_s)
             async with self._open().get(url, timeout=timeout) as response:
@@ -146,6 +158,8 @@ def _never_sent(exc: httpx.TransportError) -> bool:
 
 def _unreachable(exc: BaseException) -> Unreachable:
     """aiohttp's exceptions under httpx's names (the kinds counted before aiohttp was called directly)."""
+    import aiohttp
+
     detail = str(exc)
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return Unreachable("ConnectTimeout", detail, connect=True)
