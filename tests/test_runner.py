@@ -216,3 +216,25 @@ async def test_no_more_than_num_process_trajectories_are_in_flight(tmp_path: Pat
 async def test_exactly_one_reward_kind_is_required(tmp_path: Path, llm: ChatClient) -> None:
     with pytest.raises(TypeError, match="exactly one of reward and group_reward"):
         await run_rollouts(payload(tmp_path), sink=Collected(), llm=llm)
+
+
+@respx.mock
+async def test_a_group_reward_scores_the_part_of_a_group_the_run_was_given(
+    tmp_path: Path, llm: ChatClient
+) -> None:
+    """A resumed job (or a worker taking over a lost one's items) gets only the repeats still
+    missing from a group: they are scored together at the run's end, never left unwritten."""
+    respx.post(URL).mock(side_effect=echo_answer)
+    calls: list[list[int]] = []
+
+    def rank(samples: list[Sample], episodes: list[Episode]) -> list[float]:
+        calls.append(sorted(s.repeat for s in samples))
+        return [1.0] * len(samples)
+
+    resume = {"finished_groups": [], "open_groups": [[0, [0, 1]]]}  # instance 0 has repeats 0 and 1
+    sink = Collected()
+    await run_rollouts(
+        payload(tmp_path, num_repeat_per_sample=3, resume=resume), group_reward=rank, sink=sink, llm=llm
+    )
+    assert sorted(calls) == [[0, 1, 2], [0, 1, 2], [2]]
+    assert len(sink.trajectories) == 7

@@ -412,6 +412,8 @@ class _Run:
                     for outcome in outcomes:
                         if isinstance(outcome, BaseException):
                             raise outcome
+            if self.fatal is None:
+                await self._score_rest()
         finally:
             for task in list(tasks):
                 task.cancel()
@@ -471,6 +473,17 @@ class _Run:
         if len(group) < self.settings.num_repeat_per_sample:
             return
         del self.groups[key]
+        await self._score_group(group)
+
+    async def _score_rest(self) -> None:
+        """Score the groups this run got only part of: the rest of their samples were made
+        elsewhere (by a lost worker before it stopped, or before a resume), so the run's end,
+        not a full group, is when they are complete here."""
+        while self.groups:
+            _, group = self.groups.popitem()
+            await self._score_group(group)
+
+    async def _score_group(self, group: list[tuple[Sample, Episode | BaseException]]) -> None:
         done = [(s, o) for s, o in group if isinstance(o, Episode)]
         failure: Exception | None = None
         scores: list[float] = []
