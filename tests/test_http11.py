@@ -100,6 +100,26 @@ async def test_a_post_sends_the_body_and_headers_and_reuses_the_connection(
     assert body == b'{"a": 1}'
 
 
+def test_it_works_on_uvloop_as_in_the_service_and_ray_actors() -> None:
+    """uvloop's transports do not derive from asyncio.Transport: an inline job runs on the
+    service's uvloop, a Ray actor on Ray's."""
+    import uvloop
+
+    async def main() -> tuple[int, bytes]:
+        server = Server(lambda request: answer(b'{"ok": true}'))
+        listening = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}/generate"
+        transport = Http11Transport(timeout_s=10.0)
+        try:
+            reply = await transport.post(url, b"{}", {"content-type": "application/json"})
+        finally:
+            await transport.aclose()
+            listening.close()
+        return reply.status, reply.body
+
+    assert uvloop.run(main()) == (200, b'{"ok": true}')
+
+
 async def test_a_connection_the_server_closes_is_not_reused(
     serve: Callable[[Server], Awaitable[str]],
 ) -> None:
