@@ -5,8 +5,8 @@ It speaks the OpenAI Chat Completions protocol over plain HTTP/1.1 on asyncio (`
 time, aiohttp's own session still twice this transport's CPU per request, and httpx's own pool
 collapses at the hundreds of concurrent requests a generator keeps in flight
 (encode/httpx#3215). SGLang's extensions are plain JSON fields anyway. Tests pass
-``transport=httpx.AsyncHTTPTransport()``, which respx intercepts. Several engine URLs make a pool (``pool``): least in flight, a group's
-samples on one engine, dead engines taken out.
+``transport=httpx.AsyncHTTPTransport()``, which respx intercepts. Several engine URLs make a
+pool (``pool``): least in flight, a group's samples on one engine, dead engines taken out.
 
 Two kinds of failure are handled here, so generators never see them:
 
