@@ -4,7 +4,6 @@ whole reply it sampled, so an aborted reply and its continuation take the time o
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import httpx
@@ -19,8 +18,7 @@ pytestmark = pytest.mark.anyio
 
 
 def approx(seconds: float) -> Any:
-    """A latency charged, less the little time the request took to compose (a busy machine's)."""
-    return pytest.approx(seconds, abs=0.05)
+    return pytest.approx(seconds, abs=1e-9)
 
 
 TOKENIZER = build_tokenizer()
@@ -30,23 +28,28 @@ PROMPT = cast(
 )
 
 
-@dataclass(slots=True)
-class Charging(Control):
-    """The pause state, noting the latency each request is charged instead of sleeping it."""
-
-    charged: list[float] = field(default_factory=list)
+class Asleep(Control):
+    """The pause state, without the sleeping: the tests read what is charged, not the clock."""
 
     async def sleep(self, seconds: float) -> bool:
-        self.charged.append(seconds)
         return False
 
 
 def app_with(latency_s: float, **overrides: Any) -> tuple[SimApp, list[float]]:
-    """A simulator, and the latencies its requests are charged (not slept)."""
+    """A simulator, and the latency each of its requests is charged (not slept)."""
     options: dict[str, Any] = {"seed": 0, "accuracy": 1.0, **overrides}
     app = create_sim_app(SimConfig(latency_mean_s=latency_s, **options))
-    control = app.state.simulator.control = Charging()
-    return app, control.charged
+    simulator = app.state.simulator
+    simulator.control = Asleep()
+    charged: list[float] = []
+    latency_of = simulator.latency_of
+
+    def recorded(answer: Any, stream: bool) -> float:
+        charged.append(latency_of(answer, stream))
+        return charged[-1]
+
+    simulator.latency_of = recorded
+    return app, charged
 
 
 async def generate(app: SimApp, route: str, prompt: list[int], **params: Any) -> tuple[list[int], str]:
@@ -68,7 +71,7 @@ async def test_an_aborted_reply_and_its_continuation_are_charged_one_reply_s_lat
     limit: dict[str, Any] = {"max_new_tokens": 5} if route == "/generate" else {"max_tokens": 5}
     _, finish_reason = await generate(whole_app, route, PROMPT, **limit)
     assert finish_reason == "length"
-    # A reply from the start that is not aborted: the whole latency (less the time to compose it).
+    # A reply from the start that is not aborted: the whole latency.
     assert whole_charged == [approx(1.0), approx(1.0)]
     for seed in range(5):
         aborted_app, aborted_charged = app_with(1.0, abort_rate=1.0, seed=seed)

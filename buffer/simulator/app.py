@@ -253,11 +253,7 @@ class Simulator:
             answer = prepare(reply_rng)
             if isinstance(answer, Response):
                 return answer
-            longest = max((len(generation.ids) for generation in answer.generations), default=0)
-            share = max((generation.share for generation in answer.generations), default=1.0)
-            latency_s = config.sample_latency_s(self.rng) * share  # the part of a reply it sampled
-            if not stream:
-                latency_s += config.latency_per_token_s * longest
+            latency_s = self.latency_of(answer, stream)
             if await self.control.sleep(max(0.0, latency_s - (time.monotonic() - started))):
                 answer = self.control.recompose(prepare, reply_rng)  # aborted by a pause
                 if isinstance(answer, Response):
@@ -279,6 +275,18 @@ class Simulator:
         finally:
             if not streaming:
                 stats.in_flight -= 1
+
+    def latency_of(self, answer: Answer, stream: bool) -> float:
+        """How long ``answer`` takes: a sampled latency times the share of the reply it sampled
+        (an engine spends its time per token: an aborted reply and its continuation take one
+        reply's time), plus the per-token latency of its longest choice when not streamed."""
+        config = self.config
+        share = max((generation.share for generation in answer.generations), default=1.0)
+        latency_s = config.sample_latency_s(self.rng) * share
+        if not stream:
+            longest = max((len(generation.ids) for generation in answer.generations), default=0)
+            latency_s += config.latency_per_token_s * longest
+        return latency_s
 
     async def _stream(self, chunks: Iterator[Chunk]) -> AsyncIterator[bytes]:
         try:
