@@ -165,3 +165,22 @@ def test_the_counted_total_is_what_iteration_yields() -> None:
                 share=(index, count),
             )
             assert plan.total() == len(list(plan)), plan
+        whole = Plan(
+            rows,
+            num_repeat_per_sample=rng.randint(1, 3),
+            num_epoch=rng.randint(1, 6),
+            skip_instance_ids=skips,
+            resume=resume,
+        )
+        first, later = whole.epoch_sizes()
+        walked = Counter(sample.epoch for sample in whole)
+        assert all(walked[epoch] == first.get(epoch, later) for epoch in range(whole.num_epoch)), whole
+
+
+def test_a_plans_samples_are_found_by_their_items_without_a_walk() -> None:
+    rows = [{"instance_id": i, "prompt": f"What is {i} + 1?"} for i in range(3)]
+    plan = Plan(rows, num_repeat_per_sample=2, num_epoch=10**9, seed=5)
+    made = {(s.epoch, str(s.instance_id), s.repeat): s for s in Plan(rows, 2, 3, seed=5)}
+    items = [(2, "1", 1), (0, "2", 0), (2, "7", 0)]  # no row 7: left out
+    assert plan.find(items) == [made[(2, "1", 1)], made[(0, "2", 0)]]
+    assert plan.find([(10**9 - 1, "0", 0)])[0].seed == derive_seed(5, 0, 0, 10**9 - 1)

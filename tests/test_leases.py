@@ -10,7 +10,7 @@ import contextlib
 import json
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +190,38 @@ async def test_workers_make_every_item_once_between_them() -> None:
     assert len(keys) == plan.total()
     assert set(keys.values()) == {1}
     assert len({name for name, _ in made}) == 3  # each did some
+
+
+@pytest.mark.anyio
+async def test_a_plan_of_millions_of_items_starts_at_once_and_tells_the_board_each_epoch_as_met() -> None:
+    """slime asks for 100,000 epochs: 51 million items of 64 prompts. Reading them all before the
+    first claim held a job's worker for minutes; the first sample comes with the first claim."""
+    rows = [{"instance_id": f"q{i}", "prompt": "p"} for i in range(64)]
+    plan = Plan(rows, num_repeat_per_sample=8, num_epoch=100_000)
+    board = LeaseBoard()
+    job = Job("job-1", "t", "g.py", {}, 0, lease_board=board)
+    token = _current_job.set(job)
+    leases: dict[str, Any] = {"worker": "w0", "index": 0, "count": 2, "chunk": 256, "ttl_s": 30}
+    started = time.monotonic()
+    try:
+        async with contextlib.aclosing(leased(plan, "t", leases)) as samples:
+            taken = [sample async for sample in _first(samples, 600)]
+    finally:
+        _current_job.reset(token)
+        await _end_run(job)
+    assert time.monotonic() - started < 5
+    assert len(taken) == 600
+    # Three claims of 256 (a share's 32 groups an epoch), each telling its epoch's 512 items: the
+    # board counts 3 x 512 of the plan, 768 of them held by w0 and 768 nobody's yet.
+    assert board.orphans("t", "w1", limit=0, ttl_s=30) == ([], 768, 768)
+
+
+async def _first(samples: AsyncIterator[Sample], count: int) -> AsyncIterator[Sample]:
+    async for sample in samples:
+        yield sample
+        count -= 1
+        if count == 0:
+            return
 
 
 @pytest.mark.anyio

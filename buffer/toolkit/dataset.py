@@ -192,17 +192,52 @@ class Plan:
 
     def __iter__(self) -> Iterator[Sample]:
         for epoch, row, repeats in self._groups():
-            instance_id = row["instance_id"]
             messages = prompt_messages(row["prompt"])
             for repeat in repeats:
-                yield Sample(
-                    instance_id=instance_id,
-                    row=row,
-                    messages=[dict(message) for message in messages],
-                    epoch=epoch,
-                    repeat=repeat,
-                    seed=derive_seed(self.seed, instance_id, repeat, epoch),
-                )
+                yield self._sample(epoch, row, messages, repeat)
+
+    def _sample(
+        self, epoch: int, row: dict[str, Any], messages: Sequence[dict[str, Any]], repeat: int
+    ) -> Sample:
+        instance_id = row["instance_id"]
+        return Sample(
+            instance_id=instance_id,
+            row=row,
+            messages=[dict(message) for message in messages],
+            epoch=epoch,
+            repeat=repeat,
+            seed=derive_seed(self.seed, instance_id, repeat, epoch),
+        )
+
+    def find(self, items: Iterable[tuple[int, str, int]]) -> list[Sample]:
+        """The samples of these ``(epoch, instance id as text, repeat)``, as iteration makes
+        them, without walking the epochs before them; items of no row are left out."""
+        rows = {str(row["instance_id"]): row for row in self.rows}
+        found = []
+        for epoch, instance_id, repeat in items:
+            row = rows.get(instance_id)
+            if row is not None and 0 <= epoch < self.num_epoch:
+                found.append(self._sample(epoch, row, prompt_messages(row["prompt"]), repeat))
+        return found
+
+    def epoch_sizes(self) -> tuple[dict[int, int], int]:
+        """How many samples each epoch of the whole plan (every share) holds, without walking
+        every epoch: those of the first epochs, where the skips and the resume point remove
+        some, and what each later epoch holds (every row with all its repeats)."""
+        walked_epochs = self._special_epochs()
+        sizes = dict.fromkeys(range(walked_epochs), 0)
+        if walked_epochs:
+            for epoch, _, repeats in replace(self, num_epoch=walked_epochs)._all_groups():
+                sizes[epoch] += len(repeats)
+        return sizes, len(self.rows) * self.num_repeat_per_sample
+
+    def _special_epochs(self) -> int:
+        """How many of the first epochs the skips and the resume point can shorten: an epoch
+        can skip or shorten a row only while one of them is left, so at most this many."""
+        skips = Counter(str(instance_id) for instance_id in self.skip_instance_ids)
+        progress = self.resume or ResumePoint()
+        special = sum(skips.values()) + sum(progress.finished.values()) + len(progress.held)
+        return min(self.num_epoch, special + 1 if special else 0)
 
     def total(self) -> int:
         """How many samples iteration yields, without walking every epoch: once the skips and
@@ -212,11 +247,7 @@ class Plan:
         rows, repeats = len(self.rows), self.num_repeat_per_sample
         if not rows:
             return 0
-        skips = Counter(str(instance_id) for instance_id in self.skip_instance_ids)
-        progress = self.resume or ResumePoint()
-        # An epoch can skip or shorten a row only while some of these is left: at most this many.
-        special = sum(skips.values()) + sum(progress.finished.values()) + len(progress.held)
-        walked_epochs = min(self.num_epoch, special + 1 if special else 0)
+        walked_epochs = self._special_epochs()
         total, position = 0, 0
         if walked_epochs:
             walk = replace(self, num_epoch=walked_epochs, share=(0, 1))

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -41,6 +40,8 @@ if TYPE_CHECKING:  # the toolkit imports the service's jobs, which import this p
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK = 64
+#: Plans of at most this many items have the others' tails walked (a share is held in memory).
+MAX_TAIL_PLAN = 200_000
 #: A worker waiting for the others polls for orphans at least this often.
 MAX_POLL_S = 1.0
 
@@ -147,24 +148,33 @@ async def leased(plan: Plan, task_type: str, leases: dict[str, Any]) -> AsyncIte
     chunk = max(1, int(leases.get("chunk", DEFAULT_CHUNK)))
     whole = dataclasses.replace(plan, share=(0, 1))
     # The plan's size per epoch lets the board forget each epoch once made; one worker of the
-    # job tells it (every worker's plan is the same): reading the whole plan costs each worker.
-    sizes = Counter(str(sample.epoch) for sample in whole) if index == 0 else None
+    # job tells it (every worker's plan is the same), each epoch with the first claim that
+    # offers items of it: a plan may hold millions of items (slime asks for 100,000 epochs).
+    first_sizes, epoch_size = whole.epoch_sizes() if index == 0 else ({}, 0)
+    told: set[int] = set()
     heartbeat = asyncio.create_task(_heartbeat(client), name="lease-heartbeat")
-    first = True
     walked = False
 
+    def sizes(samples: list[Sample]) -> dict[str, int] | None:
+        if index != 0:
+            return None
+        new = {sample.epoch for sample in samples} - told
+        told.update(new)
+        return {str(epoch): first_sizes.get(epoch, epoch_size) for epoch in sorted(new)} or None
+
     async def claim(samples: list[Sample]) -> list[Sample]:
-        nonlocal first
         by_key = {item_key(s.epoch, s.instance_id, s.repeat): s for s in samples}
-        granted = await client.claim(list(by_key), dict(sizes) if first and sizes else None)
-        first = False
+        granted = await client.claim(list(by_key), sizes(samples))
         return [by_key[key] for key in granted]
 
     try:
         for samples in _chunks(dataclasses.replace(plan, share=(index, count)), chunk):
             for sample in await claim(samples):
                 yield sample
-        for other in (*range(index + 1, count), *range(index)):
+        # The tails of the others' shares, each read backwards: only for a plan small enough to
+        # hold a share in memory; in a larger one a lost worker's items still come back below.
+        tails = (*range(index + 1, count), *range(index)) if whole.total() <= MAX_TAIL_PLAN else ()
+        for other in tails:
             share = list(dataclasses.replace(plan, share=(other, count)))
             for samples in _chunks(reversed(share), chunk):
                 granted = await claim(samples)
@@ -177,7 +187,7 @@ async def leased(plan: Plan, task_type: str, leases: dict[str, Any]) -> AsyncIte
             keys, held_by_others, unmade = await client.orphans(chunk)
             if keys:
                 logger.info("%s: taking over %d items of a worker that stopped", client.worker, len(keys))
-                for sample in _find(whole, keys):
+                for sample in whole.find(_parsed(keys)):
                     yield sample
                 continue
             if unmade and not walked_again:  # a worker was lost before it claimed its items
@@ -240,15 +250,9 @@ def _chunks(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
         yield chunk
 
 
-def _find(plan: Plan, keys: list[str]) -> list[Sample]:
-    """The samples of ``plan`` with these keys (a rare path: a worker stopped)."""
-    wanted = set(keys)
-    found = []
-    for sample in plan:
-        key = item_key(sample.epoch, sample.instance_id, sample.repeat)
-        if key in wanted:
-            wanted.discard(key)
-            found.append(sample)
-            if not wanted:
-                break
-    return found
+def _parsed(keys: Iterable[str]) -> Iterator[tuple[int, str, int]]:
+    """``(epoch, instance id as text, repeat)`` of each ``item_key`` (an id may hold ``|``)."""
+    for key in keys:
+        epoch, _, rest = key.partition("|")
+        instance_id, _, repeat = rest.rpartition("|")
+        yield int(epoch), instance_id, int(repeat)
