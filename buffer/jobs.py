@@ -57,7 +57,7 @@ from buffer.job_policy import JobPolicy
 from buffer.registry import Generator, GeneratorRegistry, where
 from buffer.rollout_buffer import RolloutBuffer
 from buffer.workers import ray_worker
-from buffer.workers.leased import chunk_size
+from buffer.workers.leased import lease_settings
 from buffer.workers.leases import LeaseBoard
 from buffer.workers.process import WorkerOutcome, WorkerProcess
 from buffer.workers.ray_worker import RayWorker
@@ -343,8 +343,9 @@ class JobManager:
             name = f"{job.id}/{index}.{next(generations)}"
             self.leases.own(job.task_type, name)
             share = _share_of(data, index, count)
-            leases = {"url": url, "worker": name, "ttl_s": ttl_s, "index": index, "count": count}
-            leases["chunk"] = chunk_size(share.get("num_process", 100))
+            leases = lease_settings(
+                name, ttl_s, share.get("num_process", 100), url=url, index=index, count=count
+            )
             spec = WorkerSpec(
                 job.id,
                 job.task_type,
@@ -437,8 +438,8 @@ class JobManager:
         # In this process the toolkit claims from the board itself (``leased.BoardLeases``).
         opened = self.leases.open(job.task_type)
         job.lease_board = self.leases
-        leases = {"worker": f"{job.id}/0.0", "ttl_s": float(job.data.get("lease_ttl_s", DEFAULT_LEASE_TTL_S))}
-        leases["chunk"] = chunk_size(job.data.get("num_process", 100))
+        ttl_s = float(job.data.get("lease_ttl_s", DEFAULT_LEASE_TTL_S))
+        leases = lease_settings(f"{job.id}/0.0", ttl_s, job.data.get("num_process", 100))
         data = {**job.data, "leases": leases}
         try:
             if generator.is_async:

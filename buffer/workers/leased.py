@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import httpx
 
 from buffer.client.base import key_or_env
-from buffer.workers.leases import LeaseBoard, item_key
+from buffer.workers.leases import LeaseBoard, item_key, split_key
 
 if TYPE_CHECKING:  # the toolkit imports the service's jobs, which import this package
     from buffer.jobs import Job
@@ -120,15 +121,23 @@ class HttpLeases:
         await self._http.aclose()
 
 
-def chunk_size(num_process: Any) -> int:
-    """Items claimed at once by a worker keeping ``num_process`` trajectories in flight: a claim
-    per half of them, so claims cost little per trajectory, and a lost worker leaves few
-    unstarted items held."""
+def lease_settings(
+    worker: str, ttl_s: float, num_process: Any, *, url: str | None = None, index: int = 0, count: int = 1
+) -> dict[str, Any]:
+    """What ``leased`` reads from ``data["leases"]``: the worker's name (unique to it), its
+    leases' ``ttl_s``, the buffer's ``url`` (none for a worker in the service's process), its
+    ``index`` among ``count`` workers, and the ``chunk`` it claims at once: half of the
+    ``num_process`` trajectories it keeps in flight, so claims cost little per trajectory and a
+    lost worker leaves few unstarted items held."""
     try:
-        in_flight = int(num_process)
+        chunk = max(16, min(1024, int(num_process) // 2))
     except (TypeError, ValueError):
-        return DEFAULT_CHUNK
-    return max(16, min(1024, in_flight // 2))
+        chunk = DEFAULT_CHUNK
+    settings: dict[str, Any] = {"worker": worker, "ttl_s": ttl_s, "index": index, "count": count}
+    settings["chunk"] = chunk
+    if url is not None:
+        settings["url"] = url
+    return settings
 
 
 def lease_client(task_type: str, leases: dict[str, Any]) -> Leases:
@@ -187,7 +196,7 @@ async def leased(plan: Plan, task_type: str, leases: dict[str, Any]) -> AsyncIte
             keys, held_by_others, unmade = await client.orphans(chunk)
             if keys:
                 logger.info("%s: taking over %d items of a worker that stopped", client.worker, len(keys))
-                for sample in whole.find(_parsed(keys)):
+                for sample in whole.find(_items(keys)):
                     yield sample
                 continue
             if unmade and not walked_again:  # a worker was lost before it claimed its items
@@ -232,27 +241,18 @@ def _job() -> Job | None:
 def _chunks(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
     """``samples`` in lists of about ``size``, never splitting a group's repeats."""
     chunk: list[Sample] = []
-    for sample in samples:
-        last = chunk[-1] if chunk else None
-        if (
-            last is not None
-            and len(chunk) >= size
-            and (sample.epoch, sample.instance_id)
-            != (
-                last.epoch,
-                last.instance_id,
-            )
-        ):
+    for _, group in itertools.groupby(samples, key=lambda sample: (sample.epoch, sample.instance_id)):
+        chunk.extend(group)
+        if len(chunk) >= size:
             yield chunk
             chunk = []
-        chunk.append(sample)
     if chunk:
         yield chunk
 
 
-def _parsed(keys: Iterable[str]) -> Iterator[tuple[int, str, int]]:
-    """``(epoch, instance id as text, repeat)`` of each ``item_key`` (an id may hold ``|``)."""
+def _items(keys: Iterable[str]) -> Iterator[tuple[int, str, int]]:
+    """``(epoch, instance id as text, repeat)`` of each item key."""
     for key in keys:
-        epoch, _, rest = key.partition("|")
-        instance_id, _, repeat = rest.rpartition("|")
-        yield int(epoch), instance_id, int(repeat)
+        parts = split_key(key)
+        if parts is not None:
+            yield int(parts[0]), parts[1], parts[2]

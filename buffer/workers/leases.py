@@ -38,7 +38,7 @@ def item_key(epoch: Any, instance_id: Any, repeat: Any) -> str:
     return f"{epoch}|{instance_id}|{repeat}"
 
 
-def _split(key: str) -> tuple[str, str, int] | None:
+def split_key(key: str) -> tuple[str, str, int] | None:
     """``key``'s epoch, instance and repeat (None: not a key a plan makes)."""
     epoch, sep, rest = key.partition("|")
     instance, sep2, repeat = rest.rpartition("|")
@@ -78,7 +78,7 @@ class _Section:
     made: int = 0  # items granted here and made, all epochs
 
     def is_made(self, key: str) -> bool:
-        parts = _split(key)
+        parts = split_key(key)
         if parts is None:
             return key in self.odd
         epoch, instance, repeat = parts
@@ -88,7 +88,7 @@ class _Section:
         return state is not None and bool(state.made.get(instance, 0) >> repeat & 1)
 
     def mark_made(self, key: str, granted: bool) -> None:
-        parts = _split(key)
+        parts = split_key(key)
         if parts is None:
             self.odd.add(key)
             return

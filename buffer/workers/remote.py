@@ -29,7 +29,7 @@ import httpx
 from buffer.client.base import key_or_env
 from buffer.logs import configure_logging
 from buffer.workers import child
-from buffer.workers.leased import chunk_size
+from buffer.workers.leased import lease_settings
 from buffer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -60,14 +60,9 @@ def run(args: argparse.Namespace) -> int:
     index, count = args.worker_index, args.num_workers
     if args.leases:  # the buffer hands out the work: every worker walks the whole plan
         name = f"{socket.gethostname()}-{os.getpid()}"
-        data["leases"] = {
-            "url": buffer,
-            "worker": name,
-            "ttl_s": args.lease_ttl_s,
-            "index": index,
-            "count": count,
-            "chunk": chunk_size(data.get("num_process", 100)),
-        }
+        data["leases"] = lease_settings(
+            name, args.lease_ttl_s, data.get("num_process", 100), url=buffer, index=index, count=count
+        )
         index, count = 0, 1
     spec = WorkerSpec(
         job_id=f"worker-{os.getpid()}",
