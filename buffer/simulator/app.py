@@ -276,6 +276,15 @@ class Simulator:
             if not streaming:
                 stats.in_flight -= 1
 
+    def head(self, id_prefix: str, kind: str) -> dict[str, Any]:
+        """The fields an OpenAI answer (and each of its stream's chunks) starts with."""
+        return {
+            "id": new_id(id_prefix),
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.config.served_model_name,
+        }
+
     def latency_of(self, answer: Answer, stream: bool) -> float:
         """How long ``answer`` takes: a sampled latency times the share of the reply it sampled
         (an engine spends its time per token: an aborted reply and its continuation take one
@@ -345,12 +354,7 @@ class Simulator:
                 if whole.tool_calls:
                     output = whole
             choices.append(ChatChoice(generation, output, new_call_ids(output, reply_rng)))
-        head = {
-            "id": new_id("chatcmpl"),
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.config.served_model_name,
-        }
+        head = self.head("chatcmpl", "chat.completion")
 
         def body() -> dict[str, Any]:
             return self.chat_body(request, head, prompt_ids, choices, started)
@@ -488,12 +492,7 @@ class Simulator:
             output_text(model, generation, request.skip_special_tokens, request.include_stop_str_in_output)
             for generation in generations
         ]
-        head = {
-            "id": new_id("cmpl"),
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.config.served_model_name,
-        }
+        head = self.head("cmpl", "text_completion")
 
         def body() -> dict[str, Any]:
             choices = []
