@@ -126,8 +126,9 @@ class WorkerProcess:
     def progress(self) -> dict[str, Any]:
         """What the generator last reported (the toolkit's counts), kept once it has exited."""
         if self.spec.progress_file and self.outcome is None:
-            with contextlib.suppress(OSError, ValueError):
-                self._progress = json.loads(Path(self.spec.progress_file).read_text())
+            progress = read_progress(Path(self.spec.progress_file))
+            if progress is not None:
+                self._progress = progress
         return self._progress
 
     def describe(self) -> dict[str, Any]:
@@ -156,6 +157,16 @@ class WorkerProcess:
         if status == "failed" and error is None:  # it could not say: killed, or os._exit
             error = f"the worker process {exit_text(code)}"
         return WorkerOutcome(status, code, error, raw.get("where"), lost=code == -signal.SIGKILL)
+
+
+def read_progress(path: Path) -> dict[str, Any] | None:
+    """The toolkit's counts a worker last wrote to its progress file; None while there are none
+    (not written yet, or caught mid-replace)."""
+    try:
+        progress = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return progress if isinstance(progress, dict) else None
 
 
 def rss_of(pid: int) -> int | None:

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib
-import json
 import logging
 import os
 import shutil
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from buffer.workers.process import WorkerOutcome, rss_of
+from buffer.workers.process import WorkerOutcome, read_progress, rss_of
 from buffer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -103,11 +102,8 @@ class GeneratorActor:
     def report(self) -> dict[str, Any]:
         """The generator's last progress (as a worker process leaves it in its file), and this
         actor's resident memory."""
-        progress: dict[str, Any] = {}
-        if self._progress_file is not None:
-            with contextlib.suppress(OSError, ValueError):
-                progress = json.loads(self._progress_file.read_text())
-        return {"progress": progress, "rss_bytes": rss_of(os.getpid()), "pid": os.getpid()}
+        progress = read_progress(self._progress_file) if self._progress_file is not None else None
+        return {"progress": progress or {}, "rss_bytes": rss_of(os.getpid()), "pid": os.getpid()}
 
     def terminate(self, grace_s: float) -> None:
         group = os.getpgrp()
