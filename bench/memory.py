@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import common
@@ -30,25 +30,19 @@ import httpx
 import orjson
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    print(
-        f"memory: {args.count:,} ~{args.size} B trajectories, {args.per_group} per instance, "
-        f"group size {args.group_size}"
-    )
+def measure(
+    args: argparse.Namespace, make: Callable[[str, int], dict[str, Any]], count: int, warmup: int
+) -> dict[str, Any]:
+    """A fresh server (``args``: ``group_size``, ``server_args``, ``batch_size``, ``settle``)
+    given ``warmup`` trajectories, then ``count`` more, ``make(prefix, n)`` each: its RSS before
+    and after them, its peak, and what each cost against its JSON."""
     tag = uuid.uuid4().hex[:8]
     json_bytes = 0
 
     def trajectories(prefix: str, count: int, measure: bool) -> Iterator[dict[str, Any]]:
         nonlocal json_bytes
         for n in range(count):
-            group, member = divmod(n, args.per_group)
-            trajectory = common.make_trajectory(
-                f"{prefix}-{tag}-{group}",
-                f"{prefix}-{tag}-u{n}",
-                member / max(1, args.per_group),
-                args.size,
-                seed=n,
-            )
+            trajectory = make(f"{prefix}-{tag}", n)
             if measure:
                 json_bytes += len(orjson.dumps(trajectory))
             yield trajectory
@@ -57,38 +51,62 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         common.Server(args.group_size, common.server_args(args.server_args)) as server,
         httpx.Client(base_url=server.url, timeout=120.0) as client,
     ):
-        common.fill(client, trajectories("warm", args.warmup, False), args.batch_size)
+        common.fill(client, trajectories("warm", warmup, False), args.batch_size)
         time.sleep(args.settle)
         before = common.rss_bytes(server.pid)
         start = time.perf_counter()
-        written = common.fill(client, trajectories("fill", args.count, True), args.batch_size)
+        written = common.fill(client, trajectories("fill", count, True), args.batch_size)
         fill_s = time.perf_counter() - start
         time.sleep(args.settle)
         after = common.rss_bytes(server.pid)
         peak = common.rss_bytes(server.pid, "VmHWM")
         stats = common.buffer_stats(client)["task"]
-    per_item = (after - before) / args.count
-    mean_json = json_bytes / args.count
-    ratio = per_item / mean_json
-    print(
-        f"  wrote {written:,} in {fill_s:.1f}s; pending groups {stats['pending_groups']:,}, "
-        f"pending items {stats['pending_items']:,}, ready groups {stats['ready_groups']:,}"
-    )
-    print(
-        f"  RSS before {before / 2**20:,.1f} MiB, after {after / 2**20:,.1f} MiB "
-        f"(+{(after - before) / 2**20:,.1f} MiB), peak {peak / 2**20:,.1f} MiB"
-    )
-    print(
-        f"  {per_item:,.0f} bytes of RSS per trajectory; mean JSON size {mean_json:,.0f} bytes; "
-        f"ratio {ratio:.2f}x"
-    )
+    per_item = (after - before) / count
+    mean_json = json_bytes / count
     return {
         "rss_before": before,
         "rss_after": after,
         "rss_peak": peak,
         "bytes_per_trajectory": per_item,
         "json_bytes": mean_json,
-        "ratio": ratio,
+        "ratio": per_item / mean_json,
+        "written": written,
+        "fill_s": fill_s,
+        "stats": stats,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    print(
+        f"memory: {args.count:,} ~{args.size} B trajectories, {args.per_group} per instance, "
+        f"group size {args.group_size}"
+    )
+
+    def make(prefix: str, n: int) -> dict[str, Any]:
+        group, member = divmod(n, args.per_group)
+        return common.make_trajectory(
+            f"{prefix}-{group}", f"{prefix}-u{n}", member / max(1, args.per_group), args.size, seed=n
+        )
+
+    result = measure(args, make, args.count, args.warmup)
+    before, after, peak = result["rss_before"], result["rss_after"], result["rss_peak"]
+    stats = result["stats"]
+    print(
+        f"  wrote {result['written']:,} in {result['fill_s']:.1f}s; "
+        f"pending groups {stats['pending_groups']:,}, pending items {stats['pending_items']:,}, "
+        f"ready groups {stats['ready_groups']:,}"
+    )
+    print(
+        f"  RSS before {before / 2**20:,.1f} MiB, after {after / 2**20:,.1f} MiB "
+        f"(+{(after - before) / 2**20:,.1f} MiB), peak {peak / 2**20:,.1f} MiB"
+    )
+    print(
+        f"  {result['bytes_per_trajectory']:,.0f} bytes of RSS per trajectory; mean JSON size "
+        f"{result['json_bytes']:,.0f} bytes; ratio {result['ratio']:.2f}x"
+    )
+    return {
+        name: result[name]
+        for name in ("rss_before", "rss_after", "rss_peak", "bytes_per_trajectory", "json_bytes", "ratio")
     }
 
 

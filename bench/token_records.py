@@ -38,12 +38,11 @@ import random
 import signal
 import statistics
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import common
 import httpx
+import memory
 import orjson
 
 KINDS = ("text", "tokens")
@@ -182,35 +181,11 @@ def write_run(args: argparse.Namespace, kind: str, index: int) -> dict[str, Any]
 
 
 def memory_run(args: argparse.Namespace, kind: str) -> dict[str, Any]:
-    tag = uuid.uuid4().hex[:8]
-    json_bytes = 0
+    def trajectory(prefix: str, n: int) -> dict[str, Any]:
+        return make(kind, f"{prefix}-{n}", f"{prefix}-u{n}", seed=n)
 
-    def trajectories(prefix: str, count: int, measure: bool) -> Iterator[dict[str, Any]]:
-        nonlocal json_bytes
-        for n in range(count):
-            trajectory = make(kind, f"{prefix}-{tag}-{n}", f"{prefix}-{tag}-u{n}", seed=n)
-            if measure:
-                json_bytes += len(orjson.dumps(trajectory))
-            yield trajectory
-
-    with (
-        common.Server(args.group_size, common.server_args(args.server_args)) as server,
-        httpx.Client(base_url=server.url, timeout=120.0) as client,
-    ):
-        common.fill(client, trajectories("warm", args.warmup_count, False), args.batch_size)
-        time.sleep(args.settle)
-        before = common.rss_bytes(server.pid)
-        common.fill(client, trajectories("fill", args.count, True), args.batch_size)
-        time.sleep(args.settle)
-        after = common.rss_bytes(server.pid)
-    per_item = (after - before) / args.count
-    mean_json = json_bytes / args.count
-    return {
-        "kind": kind,
-        "bytes_per_trajectory": per_item,
-        "json_bytes": mean_json,
-        "ratio": per_item / mean_json,
-    }
+    result = memory.measure(args, trajectory, args.count, args.warmup_count)
+    return {"kind": kind, **{name: result[name] for name in ("bytes_per_trajectory", "json_bytes", "ratio")}}
 
 
 # -- the script ----------------------------------------------------------------------------------
@@ -239,13 +214,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         result["write"] = runs
     if "memory" in modes:
-        memory = [memory_run(args, kind) for kind in KINDS]
-        for row in memory:
+        memories = [memory_run(args, kind) for kind in KINDS]
+        for row in memories:
             print(
                 f"memory {row['kind']:>6}: {row['bytes_per_trajectory']:,.0f} B of RSS per trajectory for "
                 f"{row['json_bytes']:,.0f} B of JSON ({row['ratio']:.2f}x)"
             )
-        result["memory"] = memory
+        result["memory"] = memories
     return result
 
 
