@@ -57,14 +57,20 @@ def started(command: Sequence[str], name: str, log: Path) -> Iterator[subprocess
         try:
             yield process
         finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop(process)
             print(f"stopped {name} (log: {log})")
+
+
+def stop(process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if ``process`` is not gone within ``timeout_s``; returns once it is."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def engine(args: argparse.Namespace, stack: contextlib.ExitStack, logs: Path) -> str:

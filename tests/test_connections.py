@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import resource
-import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from buffer.demo import ROOT, free_port, wait_ready
+from buffer.demo import ROOT, free_port, stop, wait_ready
 
 Start = Callable[..., tuple[str, int]]
 
@@ -48,12 +47,7 @@ def server(tmp_path: Path, generator_dir: Path) -> Iterator[Start]:
 
     yield start
     for process in processes:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
 
 
 def connect(address: tuple[str, int], timeout_s: float = 5.0) -> socket.socket:

@@ -27,6 +27,7 @@ import pytest
 from fastapi import FastAPI
 from openai import AsyncOpenAI
 
+from buffer.demo import stop
 from buffer.simulator import SimConfig, create_sim_app
 from buffer.simulator.arithmetic import solve
 from buffer.simulator.cli import parse_config
@@ -1193,12 +1194,7 @@ def running_simulator(tmp_path: Path, *flags: str) -> Iterator[str]:
         _wait_until_healthy(base_url, process, log_path)
         yield base_url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
 
 
 @pytest.fixture
