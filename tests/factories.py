@@ -1,4 +1,5 @@
-"""Test data: trajectories, groups, a clock the tests move by hand, generator files."""
+"""Test data: trajectories, groups, a clock the tests move by hand, generator files, and a sink
+that keeps what a toolkit run writes."""
 
 from __future__ import annotations
 
@@ -44,3 +45,19 @@ def write_generator(directory: Path, name: str, source: str) -> Path:
     path = directory / name
     path.write_text(source)
     return path
+
+
+class Collected:
+    """A toolkit sink that keeps what is written, each checked as the buffer would accept it."""
+
+    def __init__(self) -> None:
+        self.trajectories: list[dict[str, Any]] = []
+
+    async def write(self, trajectory: dict[str, Any]) -> None:
+        from buffer.models import TRAJECTORY
+
+        TRAJECTORY.validate_python(trajectory)
+        self.trajectories.append(trajectory)
+
+    async def aclose(self) -> None:
+        return None

@@ -19,31 +19,19 @@ import pytest
 import respx
 
 import default_func
-from buffer.models import TRAJECTORY
 from buffer.toolkit.agent import Tool, run_tools
 from buffer.toolkit.failfast import FailFast, MisconfiguredEngine
 from buffer.toolkit.llm import ChatClient, ContinuePolicy, LLMError, RetryPolicy
 from buffer.toolkit.records import turn_records
 from buffer.toolkit.runner import run_rollouts
 from buffer.toolkit.types import Completion, Episode, Sample, TokenCapture
+from tests.factories import Collected
 
 pytestmark = pytest.mark.anyio
 
 ENGINE = "http://engine.test"
 URL = f"{ENGINE}/v1/chat/completions"
 REPO = Path(__file__).resolve().parent.parent
-
-
-class Collected:
-    def __init__(self) -> None:
-        self.trajectories: list[dict[str, Any]] = []
-
-    async def write(self, trajectory: dict[str, Any]) -> None:
-        TRAJECTORY.validate_python(trajectory)
-        self.trajectories.append(trajectory)
-
-    async def aclose(self) -> None:
-        return None
 
 
 def chat_client(**kwargs: Any) -> ChatClient:

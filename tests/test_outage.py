@@ -17,12 +17,12 @@ from typing import Any
 import httpx
 import pytest
 
-from buffer.models import TRAJECTORY
 from buffer.simulator import SimConfig, create_sim_app
 from buffer.toolkit.llm import ChatClient, RetryPolicy
 from buffer.toolkit.runner import run_rollouts
 from buffer.toolkit.types import Episode, Sample
 from tests.calls import wait_for
+from tests.factories import Collected
 
 OUTAGE_S = 10.0
 
@@ -38,23 +38,19 @@ def math_rows(path: Path, count: int) -> Path:
 # -- in process ------------------------------------------------------------------------
 
 
-class DownAfter:
+class DownAfter(Collected):
     """A sink that keeps what is written and, at the ``after``-th trajectory, takes the
     simulator down for ``seconds``."""
 
     def __init__(self, start_outage: Callable[[], None], after: int) -> None:
-        self.trajectories: list[dict[str, Any]] = []
+        super().__init__()
         self._start_outage = start_outage
         self._after = after
 
     async def write(self, trajectory: dict[str, Any]) -> None:
-        TRAJECTORY.validate_python(trajectory)
-        self.trajectories.append(trajectory)
+        await super().write(trajectory)
         if len(self.trajectories) == self._after:
             self._start_outage()
-
-    async def aclose(self) -> None:
-        return None
 
 
 def one(sample: Sample, episode: Episode) -> float:

@@ -25,7 +25,7 @@ from buffer.simulator.config import SimConfig
 from buffer.task import TaskSettings
 from buffer.toolkit.llm import ChatClient, RetryPolicy, _StopOpenTime
 from buffer.toolkit.runner import run_rollouts
-from tests.factories import group, write_generator
+from tests.factories import Collected, group, write_generator
 
 pytestmark = pytest.mark.anyio
 
@@ -405,19 +405,6 @@ async def until(condition: Any, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-class Kept:
-    """A sink that keeps what is written."""
-
-    def __init__(self) -> None:
-        self.trajectories: list[dict[str, Any]] = []
-
-    async def write(self, trajectory: dict[str, Any]) -> None:
-        self.trajectories.append(trajectory)
-
-    async def aclose(self) -> None:
-        return None
-
-
 async def test_a_generator_writing_to_a_buffer_elsewhere_holds_its_requests_while_paused(
     process: Any, tmp_path: Path
 ) -> None:
@@ -435,7 +422,7 @@ async def test_a_generator_writing_to_a_buffer_elsewhere_holds_its_requests_whil
     async with httpx.AsyncClient(base_url=url, trust_env=False) as buffer:
         await buffer.post("/policy", json={"version": 1})
         await buffer.post("/policy/pause", json={"mode": "drain"})
-        written = Kept()
+        written = Collected()
         run = asyncio.ensure_future(run_rollouts(data, reward=lambda sample, episode: 1.0, sink=written))
         await asyncio.sleep(0.5)
         async with httpx.AsyncClient(trust_env=False) as sim:

@@ -24,6 +24,7 @@ from buffer.toolkit.tito import TokenClient
 from buffer.toolkit.transport import ROUTING_KEY_HEADER, Unreachable
 from buffer.toolkit.types import Completion, Message
 from default_func import FAILURE_REWARD
+from tests.factories import Collected
 
 pytestmark = pytest.mark.anyio
 
@@ -96,17 +97,6 @@ def data_set(tmp_path: Path, n: int) -> str:
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"question {i}", "label": "1"}) + "\n" for i in range(n)))
     return str(path)
-
-
-class Collected:
-    def __init__(self) -> None:
-        self.trajectories: list[dict[str, Any]] = []
-
-    async def write(self, trajectory: dict[str, Any]) -> None:
-        self.trajectories.append(trajectory)
-
-    async def aclose(self) -> None:
-        return None
 
 
 def payload(tmp_path: Path, urls: Sequence[str], instances: int, **overrides: Any) -> dict[str, Any]:

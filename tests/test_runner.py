@@ -14,31 +14,17 @@ import httpx
 import pytest
 import respx
 
-from buffer.models import TRAJECTORY
 from buffer.toolkit.dataset import derive_seed
 from buffer.toolkit.llm import ChatClient, RetryPolicy
 from buffer.toolkit.runner import run_rollouts
 from buffer.toolkit.types import Episode, Sample
 from default_func import FAILURE_REWARD
+from tests.factories import Collected
 
 pytestmark = pytest.mark.anyio
 
 ENGINE = "http://engine.test"
 URL = f"{ENGINE}/v1/chat/completions"
-
-
-class Collected:
-    """A sink that keeps what is written."""
-
-    def __init__(self) -> None:
-        self.trajectories: list[dict[str, Any]] = []
-
-    async def write(self, trajectory: dict[str, Any]) -> None:
-        TRAJECTORY.validate_python(trajectory)  # what the buffer would accept
-        self.trajectories.append(trajectory)
-
-    async def aclose(self) -> None:
-        return None
 
 
 @pytest.fixture
