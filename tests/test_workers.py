@@ -467,24 +467,38 @@ class TestHookGuard:
         assert not isinstance(hooks.filter_item, GuardedHook)
 
 
-def test_remote_workers_fill_a_strict_task_with_exact_counts(
-    service: Service, simulated_engine: str, tmp_path: Path
-) -> None:
+def remote_workers(
+    service: Service,
+    engine: str,
+    tmp_path: Path,
+    task: str,
+    *,
+    num_process: int,
+    flags: tuple[str, ...] = (),
+) -> list[subprocess.Popen[bytes]]:
+    """Two ``rollout-buffer worker`` processes running the toolkit generator on the shipped math
+    data (64 prompts, 2 samples each) for ``task``."""
     generator = tmp_path / "remote_generator.py"
     generator.write_text(GENERATORS["toolkit"])
     data = {
         "input_file": str(ROOT / "generator" / "data" / "math.jsonl"),
-        "remote_engine_url": simulated_engine,
+        "remote_engine_url": engine,
         "num_repeat_per_sample": 2,
-        "num_process": 32,
+        "num_process": num_process,
     }
-    # The service runs with --strict-tasks: each worker configures the task first (PUT /tasks).
-    command = [sys.executable, "-m", "buffer", "worker", "--buffer", service.url, "--task", "remote_math"]
-    command += ["--generator", str(generator), "--data", json.dumps(data), "--num-workers", "2"]
-    workers = [
+    command = [sys.executable, "-m", "buffer", "worker", "--buffer", service.url, "--task", task]
+    command += ["--generator", str(generator), "--data", json.dumps(data), "--num-workers", "2", *flags]
+    return [
         subprocess.Popen([*command, "--worker-index", str(index)], cwd=ROOT, env=dict(os.environ))
         for index in range(2)
     ]
+
+
+def test_remote_workers_fill_a_strict_task_with_exact_counts(
+    service: Service, simulated_engine: str, tmp_path: Path
+) -> None:
+    # The service runs with --strict-tasks: each worker configures the task first (PUT /tasks).
+    workers = remote_workers(service, simulated_engine, tmp_path, "remote_math", num_process=32)
     assert [worker.wait(timeout=120) for worker in workers] == [0, 0]
     items = service.http.post("/get_rollout_data", json={"task_type": "remote_math"}).json()["data"]["data"]
     instances = Counter(item["instance_id"] for item in items)
@@ -542,21 +556,9 @@ def test_num_workers_is_checked_before_a_job_starts(
 def test_a_lease_worker_killed_mid_run_has_its_share_made_by_the_other(
     service: Service, simulated_engine: str, tmp_path: Path
 ) -> None:
-    generator = tmp_path / "remote_generator.py"
-    generator.write_text(GENERATORS["toolkit"])
-    data = {
-        "input_file": str(ROOT / "generator" / "data" / "math.jsonl"),
-        "remote_engine_url": simulated_engine,
-        "num_repeat_per_sample": 2,
-        "num_process": 8,
-    }
-    command = [sys.executable, "-m", "buffer", "worker", "--buffer", service.url, "--task", "leased"]
-    command += ["--generator", str(generator), "--data", json.dumps(data), "--num-workers", "2"]
-    command += ["--leases", "--lease-ttl-s", "2"]
-    workers = [
-        subprocess.Popen([*command, "--worker-index", str(index)], cwd=ROOT, env=dict(os.environ))
-        for index in range(2)
-    ]
+    workers = remote_workers(
+        service, simulated_engine, tmp_path, "leased", num_process=8, flags=("--leases", "--lease-ttl-s", "2")
+    )
 
     def written() -> int:
         tasks = service.http.get("/buffer/stats").json()["data"]["meta_info"]["tasks"]
