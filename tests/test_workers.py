@@ -344,18 +344,32 @@ def test_a_multiprocessing_generator_stops_writing_on_cancel_and_restarts_alone(
     assert service.cancel(third["id"])["status"] == "cancelled"
 
 
-def test_a_worker_killed_mid_run_loses_no_group_and_makes_none_twice(
-    service: Service, simulated_engine: str
-) -> None:
-    job = service.start(
-        "toolkit",
+def start_on_math(service: Service, task: str, engine: str, **extra: Any) -> dict[str, Any]:
+    """A job of ``task`` on the 64 math prompts, 2 samples each, in two workers of 8 in flight."""
+    return service.start(
+        task,
         input_file=str(service.data / "math.jsonl"),
-        remote_engine_url=simulated_engine,
+        remote_engine_url=engine,
         num_repeat_per_sample=2,
         num_process=8,
         num_workers=2,
         group_timeout_seconds=600,
+        **extra,
     )
+
+
+def assert_every_group_once(service: Service, task: str) -> None:
+    """What the buffer holds of ``task``: each of the 64 math prompts once, with both samples."""
+    items = service.http.post("/get_rollout_data", json={"task_type": task}).json()["data"]["data"]
+    instances = Counter(item["instance_id"] for item in items)
+    assert len(instances) == 64
+    assert set(instances.values()) == {2}
+
+
+def test_a_worker_killed_mid_run_loses_no_group_and_makes_none_twice(
+    service: Service, simulated_engine: str
+) -> None:
+    job = start_on_math(service, "toolkit", simulated_engine)
     running = service.wait_job(job["id"], lambda job: job["counters"]["written"] >= 16)
     os.kill(running["workers"][0]["pid"], signal.SIGKILL)
     done = service.wait_done(job["id"], timeout_s=120)
@@ -368,34 +382,19 @@ def test_a_worker_killed_mid_run_loses_no_group_and_makes_none_twice(
     assert (new["index"], new["status"]) == (0, "succeeded")
     assert done["progress"]["completed"] > 0  # the workers' counts, added up
     assert done["counters"]["written"] == 64 * 2
-    items = service.http.post("/get_rollout_data", json={"task_type": "toolkit"}).json()["data"]["data"]
-    instances = Counter(item["instance_id"] for item in items)
-    assert len(instances) == 64
-    assert set(instances.values()) == {2}
+    assert_every_group_once(service, "toolkit")
 
 
 def test_a_hung_worker_is_stopped_and_its_items_made_by_others_once(
     service: Service, simulated_engine: str
 ) -> None:
-    job = service.start(
-        "hanging",
-        input_file=str(service.data / "math.jsonl"),
-        remote_engine_url=simulated_engine,
-        num_repeat_per_sample=2,
-        num_process=8,
-        num_workers=2,
-        group_timeout_seconds=600,
-        lease_ttl_s=2,
-    )
+    job = start_on_math(service, "hanging", simulated_engine, lease_ttl_s=2)
     done = service.wait_done(job["id"], timeout_s=120)
     assert done["status"] == "succeeded", done
     assert done["worker_restarts"] == 1
     assert done["workers"][0]["exit"] == "was killed by SIGKILL"  # it never ended by itself
     assert done["counters"]["written"] == 64 * 2
-    items = service.http.post("/get_rollout_data", json={"task_type": "hanging"}).json()["data"]["data"]
-    instances = Counter(item["instance_id"] for item in items)
-    assert len(instances) == 64
-    assert set(instances.values()) == {2}
+    assert_every_group_once(service, "hanging")
 
 
 def test_sigterm_stops_the_service_and_its_workers(tmp_path: Path) -> None:
@@ -500,10 +499,7 @@ def test_remote_workers_fill_a_strict_task_with_exact_counts(
     # The service runs with --strict-tasks: each worker configures the task first (PUT /tasks).
     workers = remote_workers(service, simulated_engine, tmp_path, "remote_math", num_process=32)
     assert [worker.wait(timeout=120) for worker in workers] == [0, 0]
-    items = service.http.post("/get_rollout_data", json={"task_type": "remote_math"}).json()["data"]["data"]
-    instances = Counter(item["instance_id"] for item in items)
-    assert len(instances) == 64
-    assert set(instances.values()) == {2}
+    assert_every_group_once(service, "remote_math")
 
 
 def test_the_strict_service_refuses_a_write_to_a_task_never_configured(service: Service) -> None:
@@ -573,7 +569,4 @@ def test_a_lease_worker_killed_mid_run_has_its_share_made_by_the_other(
     assert workers[1].wait(timeout=120) == 0
     workers[0].wait()
     assert written() == 64 * 2  # none made twice
-    items = service.http.post("/get_rollout_data", json={"task_type": "leased"}).json()["data"]["data"]
-    instances = Counter(item["instance_id"] for item in items)
-    assert len(instances) == 64
-    assert set(instances.values()) == {2}
+    assert_every_group_once(service, "leased")
