@@ -34,7 +34,7 @@ echo "--- installed at the lowest allowed versions:"
 
 "$VENV/bin/python" - <<'PY'
 import pathlib, sys
-from buffer.registry import GeneratorRegistry
+from buffer.core.registry import GeneratorRegistry
 registry = GeneratorRegistry(pathlib.Path("generator"))
 registry.refresh()
 for error in registry.errors:
@@ -43,4 +43,4 @@ print("generators loaded:", sorted(registry.generators))
 sys.exit(1 if registry.errors else 0)
 PY
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/test_core.py tests/test_api.py tests/test_registry.py tests/test_client.py tests/test_llm.py
+    tests/core/test_core.py tests/service/test_api.py tests/core/test_registry.py tests/trainer/test_client.py tests/toolkit/test_llm.py

@@ -30,7 +30,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from buffer.demo import free_port, started, wait_ready  # noqa: E402
+from buffer.processes import free_port, started, wait_ready  # noqa: E402
 
 
 def math_rows(path: Path, count: int) -> Path:

@@ -1,7 +1,7 @@
 """What the recording gateway adds to each proxied chat completion, under concurrent load.
 
 Two processes: the stand-in engine that answers with token ids in vLLM's shape
-(``tests.loopback_engine``, no model, answers in well under a millisecond) and the rollout
+(``tests.support.loopback_engine``, no model, answers in well under a millisecond) and the rollout
 buffer. ``--concurrency`` agents each open a session and make chat completions back to back,
 first straight to the engine (with the same capture fields the gateway adds, so the engine
 does the same work), then through their sessions. The gateway's cost per call is the
@@ -112,7 +112,7 @@ def main() -> None:
         args.data_dir = temporary.name
     if args.data_dir:
         extra += ["--data-dir", args.data_dir, "--durability", args.durability]
-    engine = common.Server(module="tests.loopback_engine")
+    engine = common.Server(module="tests.support.loopback_engine")
     with engine, common.Server(extra_args=extra) as server:
         results: dict[str, Any] = asyncio.run(
             run(engine.url, server.url, args.concurrency, args.calls, server.pid)

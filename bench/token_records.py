@@ -10,7 +10,7 @@ Two kinds of trajectory, written alike:
 
 Modes (``--mode``, default all three):
 
-- ``validate``: in this process, ``buffer.models.TRAJECTORY.validate_json`` on the request bytes,
+- ``validate``: in this process, ``buffer.service.models.TRAJECTORY.validate_json`` on the request bytes,
   microseconds per trajectory, the best of ``--repeats`` timings (the edge's whole per-write
   validation; no server). Run it with another checkout first on ``PYTHONPATH`` to compare commits.
 - ``write``: a fresh server per run, ``--clients`` processes each posting one trajectory at a time
@@ -104,7 +104,7 @@ def validate_times(kinds: tuple[str, ...], repeats: int) -> dict[str, float]:
 
     The fastest, not the mean: on a shared machine the slower runs measure the neighbours.
     """
-    from buffer.models import TRAJECTORY
+    from buffer.service.models import TRAJECTORY
 
     bodies = {kind: [orjson.dumps(make(kind, f"i{n}", f"u{n}", seed=n)) for n in range(64)] for kind in kinds}
     best = dict.fromkeys(kinds, float("inf"))

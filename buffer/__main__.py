@@ -1,4 +1,4 @@
-from buffer.cli import main
+from buffer.service.cli import main
 
 if __name__ == "__main__":
     main()

@@ -13,8 +13,6 @@ import argparse
 import contextlib
 import importlib.util
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,53 +22,21 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from buffer import processes
+from buffer.paths import ROOT
+from buffer.processes import free_port, wait_ready
+
 DEFAULT_DATA = ROOT / "generator" / "data" / "math.jsonl"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def wait_ready(url: str, process: subprocess.Popen[bytes] | None, timeout_s: float, name: str) -> None:
-    """Poll ``url`` until it answers 200; fail early if ``process`` exits."""
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=2.0, trust_env=False) as client:
-        while time.monotonic() < deadline:
-            if process is not None and process.poll() is not None:
-                raise SystemExit(f"{name} exited with code {process.returncode} before it was ready")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(url).status_code == 200:
-                    return
-            time.sleep(0.1)
-    raise SystemExit(f"{name} was not ready at {url} within {timeout_s:.0f} s")
 
 
 @contextlib.contextmanager
 def started(command: Sequence[str], name: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``command`` for the duration of the block; its output goes to ``log``."""
-    with open(log, "wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=ROOT)
-        try:
-            yield process
-        finally:
-            stop(process)
-            print(f"stopped {name} (log: {log})")
-
-
-def stop(process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL if ``process`` is not gone within ``timeout_s``; returns once it is."""
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
+    """``processes.started``, saying where its log is once it is stopped."""
     try:
-        process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+        with processes.started(command, name, log) as process:
+            yield process
+    finally:
+        print(f"stopped {name} (log: {log})")
 
 
 def engine(args: argparse.Namespace, stack: contextlib.ExitStack, logs: Path) -> str:

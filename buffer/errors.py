@@ -13,7 +13,7 @@
     └── StorageFailed                   503  the data folder cannot be written
 
 The API maps each to its status and the envelope ``{"success": false, "message": ...}`` in
-one handler (``buffer.app``); nothing else reaches a client, tracebacks least of all.
+one handler (``buffer.service.app``); nothing else reaches a client, tracebacks least of all.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ class RequestIdFilter(logging.Filter):
 
 
 class TextFormatter(logging.Formatter):
-    """``2026-11-21 22:00:00 INFO    buffer.jobs [req 3f2a…]: message``, the tag only in a request."""
+    """``2026-11-21 22:00:00 INFO    buffer.service.jobs [req 3f2a…]: message``, the tag only in a request."""
 
     def __init__(self) -> None:
         super().__init__(TEXT_FORMAT, TEXT_DATE_FORMAT)

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from buffer.app import create_app
-from buffer.demo import free_port, started, wait_ready
-from buffer.settings import Settings
-from tests.factories import FakeClock
+from buffer.processes import free_port, started, wait_ready
+from buffer.service.app import create_app
+from buffer.service.settings import Settings
+from tests.support.factories import FakeClock
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """The policy's Prometheus metrics: version, pauses, lag of served groups, stale groups, shares.
 
-Read from ``Policy.snapshot`` at scrape time, like the rest of ``buffer.metrics``.
+Read from ``Policy.snapshot`` at scrape time, like the rest of ``buffer.service.metrics``.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
-from buffer.client.base import key_or_env
-from buffer.jobs import current_job
+from buffer.service.jobs import current_job
+from buffer.trainer.client.base import key_or_env
 
 logger = logging.getLogger(__name__)
 

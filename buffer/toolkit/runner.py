@@ -33,12 +33,11 @@ from typing import Annotated, Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from buffer.jobs import current_job
 from buffer.policy import find_policy
 from buffer.policy.admission import Admits
 from buffer.policy.gate import Gate, recording
 from buffer.policy.remote import RemotePolicy
-from buffer.policy.stamp import stamp
+from buffer.service.jobs import current_job
 from buffer.toolkit.agent import single_turn
 from buffer.toolkit.dataset import Plan, ResumePoint, read_rows
 from buffer.toolkit.engines import Engine
@@ -48,6 +47,7 @@ from buffer.toolkit.offload import Offload
 from buffer.toolkit.pool import group_key, routing_key
 from buffer.toolkit.records import turn_records
 from buffer.toolkit.sink import HttpSink, RejectedTrajectory, TrajectorySink, open_sink
+from buffer.toolkit.stamp import stamp
 from buffer.toolkit.tito import TokenClient, TokenEngine, TokenRenderer, load_tokenizer
 from buffer.toolkit.transport import Transport
 from buffer.toolkit.types import Completion, Episode, GroupRewardFn, Message, RewardFn, Sample

@@ -21,12 +21,12 @@ import orjson
 from pydantic import ValidationError
 from tenacity import AsyncRetrying, retry_if_exception, wait_random_exponential
 
-from buffer.client.base import key_or_env
+from buffer.core.rollout_buffer import RolloutBuffer
 from buffer.errors import BufferFull, InvalidInput
-from buffer.jobs import current_job
-from buffer.rollout_buffer import RolloutBuffer
+from buffer.service.jobs import current_job
 from buffer.toolkit.http11 import Http11Transport
 from buffer.toolkit.transport import Reply, Unreachable
+from buffer.trainer.client.base import key_or_env
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,9 @@ class LocalSink:
     """Writes into this process's buffer: waits while it is full, returns once durable."""
 
     def __init__(self, buffer: RolloutBuffer) -> None:
-        from buffer.models import TRAJECTORY  # the schema: 26 ms of a worker's start-up, which never needs it
+        from buffer.service.models import (
+            TRAJECTORY,  # the schema: 26 ms of a worker's start-up, which never needs it
+        )
 
         self._buffer = buffer
         self._schema = TRAJECTORY

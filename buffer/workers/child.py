@@ -29,9 +29,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from buffer.jobs import Job, _current_job
+from buffer.core.registry import Generator, LoadError, load_generator, where
 from buffer.logs import configure_logging
-from buffer.registry import Generator, LoadError, load_generator, where
+from buffer.service.jobs import Job, _current_job
 from buffer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)

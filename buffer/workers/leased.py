@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
-from buffer.client.base import key_or_env
+from buffer.trainer.client.base import key_or_env
 from buffer.workers.leases import LeaseBoard, item_key, split_key
 
 if TYPE_CHECKING:  # the toolkit imports the service's jobs, which import this package
-    from buffer.jobs import Job
+    from buffer.service.jobs import Job
     from buffer.toolkit.dataset import Plan
     from buffer.toolkit.types import Sample
 
@@ -233,7 +233,7 @@ async def _heartbeat(client: Leases) -> None:
 
 
 def _job() -> Job | None:
-    from buffer.jobs import current_job  # the jobs module imports this package
+    from buffer.service.jobs import current_job  # the jobs module imports this package
 
     return current_job()
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from buffer import paths
 from buffer.workers.process import WorkerOutcome, read_progress, rss_of
 from buffer.workers.spec import WorkerSpec
 
@@ -41,7 +42,7 @@ KILL_WAIT_S = 5.0
 #: How often the service asks a running actor for its progress and memory.
 REPORT_INTERVAL_S = 1.0
 #: This package's folder: first on the path of a ``local`` instance's actors.
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+_PACKAGE_ROOT = str(paths.ROOT)
 _connected: str | None = None
 _connect_lock = threading.Lock()
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
-from buffer.client.base import key_or_env
 from buffer.logs import configure_logging
+from buffer.trainer.client.base import key_or_env
 from buffer.workers import child
 from buffer.workers.leased import lease_settings
 from buffer.workers.spec import WorkerSpec

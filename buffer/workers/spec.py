@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from buffer.job_policy import JobPolicy
+from buffer.service.job_policy import JobPolicy
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,494 @@
+"""One task's groups: filling, finishing by size or timeout, and waiting whole to be read.
+
+A group collects the trajectories of one ``instance_id``. It finishes when it reaches its
+size (a later trajectory of the same instance opens a new group, so none is ever over-full)
+or when no trajectory has arrived for ``group_timeout_s``. A finished group goes through the
+read pipeline at once and then waits, encoded, in finishing order.
+
+Open groups sit in an ``OrderedDict`` kept in order of their last write, so the groups that
+time out are always at its front: a timeout check costs O(groups that expire), never a scan.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
+
+from buffer import encoding
+from buffer.core.hooks import Hooks
+from buffer.core.pipeline import (
+    TIMEOUT_TOO_SMALL,
+    Discarded,
+    GroupRules,
+    Outcome,
+    Ready,
+    SetAside,
+    process_group,
+)
+from buffer.core.stats import RewardStats
+from buffer.store.sqlite import Event, encode
+
+logger = logging.getLogger(__name__)
+
+InstanceId = str | int
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSettings:
+    """How a task groups and judges its trajectories; set by ``/start_rollout``."""
+
+    group_size: int = 16
+    group_timeout_s: float = 300.0
+    min_valid_group_size_ratio: float = 1.0
+    min_valid_item_size_ratio: float = 0.7
+    min_timeout_group_size_ratio: float = 0.7
+    reward_key: str | None = None
+    #: The bound on a group's version lag when served (None: no bound; ``buffer.policy``).
+    max_staleness: int | None = None
+    #: The task's share in mixed reads (None: 1, and the task takes part only when named).
+    weight: float | None = None
+
+
+class Record(NamedTuple):
+    """One buffered trajectory: its JSON, and the two fields the buffer itself reads.
+
+    A tuple of atomic values, so the garbage collector stops tracking it: a buffer of a
+    million trajectories adds nothing to each full collection.
+    """
+
+    uid: str
+    reward: float
+    raw: bytes
+
+
+@dataclass(slots=True)
+class OpenGroup:
+    instance_id: InstanceId
+    size: int
+    last_write_s: float
+    records: list[Record] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ReadyGroup:
+    seq: int
+    task_type: str
+    instance_id: InstanceId
+    items: list[bytes]
+    ready_at: float = 0.0  # wall-clock seconds it finished; 0: unknown (restored from a snapshot)
+
+
+@dataclass(slots=True)
+class SetAsideGroup:
+    """A group a hook failed on, kept for inspection."""
+
+    task_type: str
+    instance_id: InstanceId
+    hook: str
+    error: str
+    traceback: str
+    at: float
+    items: list[bytes]
+
+
+@dataclass(slots=True)
+class Tally:
+    """Trajectories held by every task together (open groups and ready ones), kept as each
+    task's counts change, so the buffer's limit costs O(1) on each write, whatever the tasks."""
+
+    items: int = 0
+
+
+class TaskBuffer:
+    """The groups of one task type. Not thread-safe: ``RolloutBuffer`` serialises access."""
+
+    def __init__(
+        self,
+        task_type: str,
+        settings: TaskSettings,
+        hooks: Hooks,
+        *,
+        hooks_source: str | None = None,
+        sequence: Callable[[], int],
+        on_ready: Callable[[], None],
+        log: Callable[[bytes], None] | None = None,
+        keep_set_aside: int = 100,
+        tally: Tally | None = None,
+    ) -> None:
+        """``hooks_source`` names where the hooks came from, for a restart to find them again;
+        ``log`` receives a journal record for every group that finishes; ``tally`` follows
+        ``pending_items + ready_items``, shared by the buffer's tasks."""
+        self.task_type = task_type
+        self.tally = tally or Tally()
+        self._pending_items = 0
+        self._ready_items = 0
+        self.reconfigure(settings, hooks, hooks_source)
+        self._sequence = sequence
+        self._on_ready = on_ready
+        self.log = log
+        self.open: OrderedDict[InstanceId, OpenGroup] = OrderedDict()
+        self.ready: deque[ReadyGroup] = deque()
+        self.set_aside: deque[SetAsideGroup] = deque(maxlen=keep_set_aside)
+        self.pending_items = 0
+        self.ready_items = 0
+        # Totals since the task was created.
+        self.written = 0
+        self.delivered_items = 0
+        self.delivered_groups = 0
+        self.discarded: Counter[str] = Counter()
+        self.set_aside_total = 0
+        #: While a generator job runs for this task: the groups of each instance finished since
+        #: it started, whatever their outcome, for a resumed job to skip (see ``RolloutBuffer``).
+        self.job_finished: Counter[InstanceId] | None = None
+        self.rewards = RewardStats()  # every raw reward written, for metrics and the dashboard
+        # How long the groups reads took had waited since they finished: the trainer's lag.
+        # Kept since the service started (not restored: Prometheus reads a restart as a reset).
+        self.served_age_s_sum = 0.0
+        self.served_age_count = 0
+        # Since the last successful read: what meta_info reports.
+        self.window = RewardStats()
+        self.window_instances: set[InstanceId] = set()
+        self.window_records: list[tuple[InstanceId, Record]] = []
+        self.finished_instance_ids: list[InstanceId] = []
+        self.window_discarded: Counter[str] = Counter()
+
+    @property
+    def pending_items(self) -> int:
+        """Trajectories in open groups."""
+        return self._pending_items
+
+    @pending_items.setter
+    def pending_items(self, value: int) -> None:
+        self.tally.items += value - self._pending_items
+        self._pending_items = value
+
+    @property
+    def ready_items(self) -> int:
+        """Trajectories in finished groups waiting to be read."""
+        return self._ready_items
+
+    @ready_items.setter
+    def ready_items(self, value: int) -> None:
+        self.tally.items += value - self._ready_items
+        self._ready_items = value
+
+    def reconfigure(self, settings: TaskSettings, hooks: Hooks, hooks_source: str | None = None) -> None:
+        """New settings apply to groups opened from now on; open groups keep their size."""
+        self.settings = settings
+        self.hooks = hooks
+        self.hooks_source = hooks_source or self.task_type
+        # A custom meta hook needs the trajectories written since the last read; the default doesn't.
+        self._keep_window_records = "get_group_data_meta_info" in hooks.overridden
+
+    def add(self, instance_id: InstanceId, record: Record, now: float, *, finish: bool = True) -> None:
+        """Add to the instance's open group; finish it when full (unless replaying the
+        journal, whose next record says how it finished)."""
+        group = self.open.get(instance_id)
+        if group is None:
+            group = self.open[instance_id] = OpenGroup(instance_id, self.settings.group_size, now)
+        else:
+            self.open.move_to_end(instance_id)
+            group.last_write_s = now
+        group.records.append(record)
+        self.pending_items += 1
+        self.written += 1
+        self.window.add(record.reward)
+        self.rewards.add(record.reward)
+        self.window_instances.add(instance_id)
+        if self._keep_window_records:
+            self.window_records.append((instance_id, record))
+        if finish and len(group.records) >= group.size:
+            del self.open[instance_id]
+            self._finish(group, timed_out=False)
+
+    def expire(self, now: float) -> int:
+        """Finish every group with no write for ``group_timeout_s``; returns how many."""
+        timeout_s = self.settings.group_timeout_s
+        expired = 0
+        while self.open:
+            group = next(iter(self.open.values()))
+            if now - group.last_write_s < timeout_s:
+                break
+            self.open.popitem(last=False)
+            self._finish(group, timed_out=True)
+            expired += 1
+        return expired
+
+    def finish_full(self) -> None:
+        """Finish the groups that are full but open: after a restart cut the journal between
+        a group's last write and its outcome."""
+        for group in [group for group in self.open.values() if len(group.records) >= group.size]:
+            del self.open[group.instance_id]
+            self._finish(group, timed_out=False)
+
+    def _finish(self, group: OpenGroup, *, timed_out: bool) -> None:
+        self.pending_items -= len(group.records)
+        settings = self.settings
+        if timed_out and len(group.records) / group.size < settings.min_timeout_group_size_ratio:
+            outcome: Outcome = Discarded(TIMEOUT_TOO_SMALL)
+        else:
+            rules = GroupRules(
+                group.size, settings.min_valid_group_size_ratio, settings.min_valid_item_size_ratio
+            )
+            items = [encoding.loads(record.raw) for record in group.records]
+            outcome = process_group(
+                self.task_type, group.instance_id, items, rules, self.hooks, timed_out=timed_out
+            )
+        seq = self._sequence() if isinstance(outcome, Ready) else -1
+        at = time.time()
+        if self.log is not None:
+            self.log(_finish_record(self.task_type, group, outcome, seq, at))
+        self._settle(group, outcome, seq, at)
+        if isinstance(outcome, Discarded):
+            logger.debug(
+                "task %s: discarded group %r (%s)", self.task_type, group.instance_id, outcome.reason
+            )
+        elif isinstance(outcome, SetAside):
+            logger.warning(
+                "task %s: set group %r aside: hook %s failed: %s\n%s",
+                self.task_type,
+                group.instance_id,
+                outcome.hook,
+                outcome.error,
+                outcome.traceback,
+            )
+
+    def _settle(self, group: OpenGroup, outcome: Outcome, seq: int, at: float) -> None:
+        """Put a finished group where its outcome says: ready, counted as discarded, or aside."""
+        if self.job_finished is not None:
+            self.job_finished[group.instance_id] += 1
+        if isinstance(outcome, Ready):
+            self.ready.append(ReadyGroup(seq, self.task_type, group.instance_id, outcome.items, at))
+            self.ready_items += len(outcome.items)
+            self._on_ready()
+            return
+        self.finished_instance_ids.append(group.instance_id)
+        if isinstance(outcome, Discarded):
+            self.discarded[outcome.reason] += 1
+            self.window_discarded[outcome.reason] += 1
+            return
+        self.set_aside_total += 1
+        self.window_discarded[f"hook_error:{outcome.hook}"] += 1
+        self.set_aside.append(
+            SetAsideGroup(
+                self.task_type,
+                group.instance_id,
+                outcome.hook,
+                outcome.error,
+                outcome.traceback,
+                at,
+                [record.raw for record in group.records],
+            )
+        )
+
+    def replay_finish(self, event: Event) -> None:
+        """Apply a journal record of ``_finish``."""
+        header = event.header
+        group = self.open.pop(header["i"])
+        self.pending_items -= len(group.records)
+        kind = header["o"]
+        if kind == "ready":
+            outcome: Outcome = Ready(event.parts())
+        elif kind == "discarded":
+            outcome = Discarded(header["reason"])
+        else:
+            outcome = SetAside(header["hook"], header["error"], header["tb"])
+        self._settle(group, outcome, header.get("seq", -1), header["at"])
+
+    # -- snapshots -------------------------------------------------------------------
+
+    def settings_record(self, *, current: bool) -> bytes:
+        """The journal record of this task's settings and hooks (``current``: unlabelled
+        writes go to it), as a change and in a snapshot alike."""
+        header = {"e": "task", "t": self.task_type, "s": asdict(self.settings), "h": self.hooks_source}
+        return encode({**header, "current": current})
+
+    def snapshot(self, wall_of: Callable[[float], float]) -> Callable[[], Iterator[bytes]]:
+        """Copy what the state refers to now (call under the buffer's lock: O(groups), no
+        encoding); the function returned encodes it as journal records, outside the lock.
+        ``wall_of`` turns this buffer's clock into wall-clock time."""
+        task = self.settings_record(current=False)
+        open_groups = [
+            (g.instance_id, g.size, wall_of(g.last_write_s), list(g.records)) for g in self.open.values()
+        ]
+        ready, aside = list(self.ready), list(self.set_aside)
+        window_records = list(self.window_records)
+        state = {
+            "e": "task_state",
+            "t": self.task_type,
+            "written": self.written,
+            "delivered_items": self.delivered_items,
+            "delivered_groups": self.delivered_groups,
+            "discarded": dict(self.discarded),
+            "set_aside_total": self.set_aside_total,
+            "rewards": self.rewards.to_json(),
+            "window": self.window.to_json(),
+            "window_instances": list(self.window_instances),
+            "finished": list(self.finished_instance_ids),
+            "window_discarded": dict(self.window_discarded),
+            "window_records": [[iid, r.uid, r.reward] for iid, r in window_records],
+        }
+
+        def records() -> Iterator[bytes]:
+            yield task
+            for instance_id, size, last_write, group in open_groups:
+                header: dict[str, Any] = {
+                    "e": "open",
+                    "t": self.task_type,
+                    "i": instance_id,
+                    "size": size,
+                    "last": last_write,
+                    "u": [r.uid for r in group],
+                    "r": [r.reward for r in group],
+                }
+                yield encode(header, [r.raw for r in group])
+            for g in ready:
+                yield encode({"e": "ready", "t": self.task_type, "i": g.instance_id, "seq": g.seq}, g.items)
+            for a in aside:
+                header = {"e": "aside", "t": self.task_type, "i": a.instance_id, "hook": a.hook}
+                header.update(error=a.error, tb=a.traceback, at=a.at)
+                yield encode(header, a.items)
+            yield encode(state, [r.raw for _, r in window_records])
+
+        return records
+
+    def restore(self, event: Event, monotonic_of: Callable[[float], float]) -> None:
+        """Apply a snapshot record (``open``, ``ready``, ``aside``, ``task_state``)."""
+        header, kind = event.header, event.header["e"]
+        if kind == "open":
+            records = [
+                Record(*fields) for fields in zip(header["u"], header["r"], event.parts(), strict=True)
+            ]
+            group = OpenGroup(header["i"], header["size"], monotonic_of(header["last"]), records)
+            self.open[group.instance_id] = group
+            self.pending_items += len(records)
+        elif kind == "ready":
+            items = event.parts()
+            self.ready.append(ReadyGroup(header["seq"], self.task_type, header["i"], items))
+            self.ready_items += len(items)
+        elif kind == "aside":
+            self.set_aside.append(
+                SetAsideGroup(
+                    self.task_type,
+                    header["i"],
+                    header["hook"],
+                    header["error"],
+                    header["tb"],
+                    header["at"],
+                    event.parts(),
+                )
+            )
+        elif kind == "task_state":
+            self.written = header["written"]
+            self.delivered_items = header["delivered_items"]
+            self.delivered_groups = header["delivered_groups"]
+            self.discarded = Counter(header["discarded"])
+            self.set_aside_total = header["set_aside_total"]
+            self.rewards = RewardStats.from_json(header["rewards"])
+            self.window = RewardStats.from_json(header["window"])
+            self.window_instances = set(header["window_instances"])
+            self.finished_instance_ids = header["finished"]
+            self.window_discarded = Counter(header["window_discarded"])
+            self.window_records = [
+                (iid, Record(uid, reward, raw))
+                for (iid, uid, reward), raw in zip(header["window_records"], event.parts(), strict=True)
+            ]
+        else:
+            raise ValueError(f"not a task snapshot record: {kind!r}")
+
+    def pop_ready(self) -> ReadyGroup:
+        """Take the oldest ready group."""
+        return self.take_ready([self.ready[0].seq])[0]
+
+    def take_ready(self, seqs: Collection[int]) -> list[ReadyGroup]:
+        """Take the ready groups numbered ``seqs`` (a read's choice), oldest first; the groups
+        before them that the read passed over keep their places at the front. O(groups up to
+        the last one taken)."""
+        wanted = set(seqs)
+        taken: list[ReadyGroup] = []
+        passed: list[ReadyGroup] = []
+        while wanted:
+            group = self.ready.popleft()
+            if group.seq in wanted:
+                wanted.discard(group.seq)
+                taken.append(group)
+            else:
+                passed.append(group)
+        self.ready.extendleft(reversed(passed))
+        for group in taken:
+            self.ready_items -= len(group.items)
+            self.delivered_items += len(group.items)
+            self.delivered_groups += 1
+            self.finished_instance_ids.append(group.instance_id)
+        return taken
+
+    def record_served(self, group: ReadyGroup, now: float) -> None:
+        """Count the wait of a group a read took (live reads only: a replayed read would
+        measure the restart, not the trainer)."""
+        if group.ready_at > 0:
+            self.served_age_s_sum += max(0.0, now - group.ready_at)
+            self.served_age_count += 1
+
+    def window_meta_info(self) -> dict[str, Any]:
+        """Statistics since the last successful read, by the task's meta hook if it has one."""
+        if "get_group_data_meta_info" not in self.hooks.overridden:
+            return self.window.meta_info(len(self.window_instances))
+        temp_data: dict[InstanceId, list[dict[str, Any]]] = {}
+        for instance_id, record in self.window_records:
+            temp_data.setdefault(instance_id, []).append(encoding.loads(record.raw))
+        try:
+            meta = dict(self.hooks.get_group_data_meta_info(temp_data))
+        except Exception as exc:
+            logger.exception(
+                "task %s: get_group_data_meta_info failed; reporting the defaults", self.task_type
+            )
+            meta = self.window.meta_info(len(self.window_instances))
+            meta["meta_info_error"] = f"{type(exc).__name__}: {exc}"
+        return meta
+
+    def reset_window(self) -> tuple[list[InstanceId], Counter[str]]:
+        """Start a new read window; returns the finished instance ids and discards it held."""
+        finished, discarded = self.finished_instance_ids, self.window_discarded
+        self.window = RewardStats()
+        self.window_instances = set()
+        self.window_records = []
+        self.finished_instance_ids = []
+        self.window_discarded = Counter()
+        return finished, discarded
+
+    def counters(self) -> dict[str, Any]:
+        return {
+            "task_type": self.task_type,
+            "group_size": self.settings.group_size,
+            "pending_groups": len(self.open),
+            "pending_items": self.pending_items,
+            "ready_groups": len(self.ready),
+            "ready_items": self.ready_items,
+            "total_written": self.written,
+            "delivered_groups": self.delivered_groups,
+            "delivered_items": self.delivered_items,
+            "discarded_groups": dict(self.discarded),
+            "set_aside_groups": self.set_aside_total,
+            "reward_count": self.rewards.count,
+            "reward_sum": self.rewards.mean * self.rewards.count,
+            "reward_mean": self.rewards.mean if self.rewards.count else 0.0,
+            "reward_std": self.rewards.sample_std,
+            # The trainer's lag: the seconds the groups read had waited once finished, and how many.
+            "served_age_s_sum": self.served_age_s_sum,
+            "served_age_count": self.served_age_count,
+            "hooks_overridden": sorted(self.hooks.overridden),
+        }
+
+
+def _finish_record(task_type: str, group: OpenGroup, outcome: Outcome, seq: int, at: float) -> bytes:
+    header: dict[str, Any] = {"e": "fin", "t": task_type, "i": group.instance_id, "at": at}
+    if isinstance(outcome, Ready):
+        return encode({**header, "o": "ready", "seq": seq}, outcome.items)
+    if isinstance(outcome, Discarded):
+        return encode({**header, "o": "discarded", "reason": outcome.reason})
+    aside = {**header, "o": "aside", "hook": outcome.hook, "error": outcome.error, "tb": outcome.traceback}
+    return encode(aside, [record.raw for record in group.records])

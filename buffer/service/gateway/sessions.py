@@ -1,0 +1,163 @@
+"""The sessions' state, changed only by events, so the journal can replay it.
+
+Every change is an event ``{"e": "x:gateway", "op": ...}`` that ``RolloutBuffer.log_event`` applies
+here and appends to the journal under the buffer's lock, in one step: what the state holds is
+exactly what the journal will replay. The events:
+
+- ``open``: a session, with its task, instance, engine, key, timeout and metadata;
+- ``call``: one recorded chat completion (payload: the call as JSON), with its parent call;
+- ``reward``: the reward the agent's scorer posted;
+- ``close``: the session was written or discarded; it is gone.
+
+A compaction writes the sessions still open as the same events (``snapshot``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from buffer.service.gateway.tree import continued
+from buffer.store.sqlite import encode
+
+EVENT_KIND = "x:gateway"
+OnTimeout = Literal["write", "discard"]
+
+
+@dataclass(slots=True)
+class Call:
+    """One chat completion the agent made: what the engine was sent and what it answered.
+
+    ``messages`` are those after the parent's messages and reply (all of them for a root):
+    a session of n turns keeps each message once, not n times (``tree.whole_messages``)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    sampling: dict[str, Any]
+    reply: dict[str, Any]  # the assistant message, as the engine answered it
+    finish_reason: str
+    #: prompt_ids, output_ids, output_logprobs, weight_version; None from an engine without ids
+    tokens: dict[str, Any] | None
+    parent: int | None
+    at: float
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(
+            {
+                "messages": self.messages,
+                "tools": self.tools,
+                "sampling": self.sampling,
+                "reply": self.reply,
+                "finish_reason": self.finish_reason,
+                "tokens": self.tokens,
+                "parent": self.parent,
+                "at": self.at,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Call:
+        data = orjson.loads(raw)
+        return cls(**data)
+
+
+@dataclass(slots=True)
+class Session:
+    session_id: str
+    task_type: str
+    instance_id: str | int
+    engine_urls: list[str]  # one engine, or a pool
+    api_key: str
+    timeout_s: float
+    on_timeout: OnTimeout
+    created_at: float  # wall clock: the age survives a restart
+    last_at: float
+    metadata: dict[str, Any] = field(default_factory=dict)
+    calls: list[Call] = field(default_factory=list)
+    reward: Any = None
+    #: ``tree.continued`` of each call -> the latest call with it: how a call's parent is found.
+    continuations: dict[bytes, int] = field(default_factory=dict)
+    #: ``tree.continued`` of each call, by index.
+    digests: list[bytes] = field(default_factory=list)
+
+    def open_header(self) -> dict[str, Any]:
+        return {
+            "e": EVENT_KIND,
+            "op": "open",
+            "id": self.session_id,
+            "t": self.task_type,
+            "i": self.instance_id,
+            "engine": self.engine_urls,
+            "key": self.api_key,
+            "timeout_s": self.timeout_s,
+            "on_timeout": self.on_timeout,
+            "at": self.created_at,
+            "meta": self.metadata,
+        }
+
+
+class SessionStore:
+    """The open sessions by id. Changed only through ``apply`` (under the buffer's lock)."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, Session] = {}
+        self.closed: dict[str, int] = {"written": 0, "discarded": 0}
+
+    def get(self, session_id: str) -> Session | None:
+        return self.sessions.get(session_id)
+
+    def apply(self, header: dict[str, Any], parts: Sequence[bytes]) -> None:
+        op = header["op"]
+        if op == "open":
+            at = header["at"]
+            self.sessions[header["id"]] = Session(
+                header["id"],
+                header["t"],
+                header["i"],
+                header["engine"] if isinstance(header["engine"], list) else [header["engine"]],
+                header["key"],
+                header["timeout_s"],
+                header["on_timeout"],
+                at,
+                at,
+                header.get("meta") or {},
+            )
+            return
+        session = self.sessions.get(header["id"])
+        if session is None:  # a record for a session closed before: nothing to change
+            return
+        if op == "call":
+            call = Call.from_json(parts[0])
+            digest = continued(call, b"" if call.parent is None else session.digests[call.parent])
+            session.continuations[digest] = len(session.calls)
+            session.digests.append(digest)
+            session.calls.append(call)
+            session.last_at = max(session.last_at, call.at)
+        elif op == "reward":
+            session.reward = header["reward"]
+            session.last_at = max(session.last_at, header["at"])
+        elif op == "close":
+            del self.sessions[header["id"]]
+            self.closed[header["how"]] = self.closed.get(header["how"], 0) + 1
+        else:
+            raise ValueError(f"unknown gateway event {op!r}")
+
+    def snapshot(self) -> Iterator[bytes]:
+        """The open sessions as the events that rebuild them (called under the buffer's lock:
+        references are taken now; the calls are immutable once recorded)."""
+        sessions = [(s.open_header(), list(s.calls), s.reward, s.last_at) for s in self.sessions.values()]
+
+        def records() -> Iterator[bytes]:
+            for header, calls, reward, last_at in sessions:
+                yield encode(header)
+                for call in calls:
+                    yield encode({"e": EVENT_KIND, "op": "call", "id": header["id"]}, [call.to_json()])
+                if reward is not None:
+                    yield encode(
+                        {"e": EVENT_KIND, "op": "reward", "id": header["id"], "reward": reward, "at": last_at}
+                    )
+
+        return records()

@@ -1,0 +1,86 @@
+"""Which recorded call continues which: a session's calls form a tree.
+
+An agent's next request normally holds its previous request's messages, then the reply it got,
+then what came after (tool results, a user turn). That earlier call is the new one's parent. An
+agent that retries a request, or explores two continuations of one reply, makes siblings; one
+that starts over makes a new root. Messages are compared by what the engine renders: the role,
+the content (``None`` and ``""`` alike), and each tool call's name and arguments (agents and
+SDKs re-number tool call ids, add ``refusal: null`` and the like).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+if TYPE_CHECKING:
+    from buffer.service.gateway.sessions import Call
+
+
+def message_key(message: dict[str, Any]) -> bytes:
+    content = message.get("content")
+    if content is None:
+        content = ""
+    calls = [
+        (
+            (call.get("function") or {}).get("name"),
+            (call.get("function") or {}).get("arguments"),
+        )
+        for call in message.get("tool_calls") or ()
+        if isinstance(call, dict)
+    ]
+    return orjson.dumps([message.get("role"), content, calls], option=orjson.OPT_SORT_KEYS)
+
+
+def prefix_digests(messages: Sequence[dict[str, Any]], start: bytes = b"") -> list[bytes]:
+    """A digest of each prefix of ``messages`` (``[i]``: of the first ``i + 1``), chained from
+    ``start`` (the digest of what comes before them), so a call's parent is found by lookups,
+    not by comparing it with every earlier call."""
+    digests: list[bytes] = []
+    previous = start
+    for message in messages:
+        previous = hashlib.blake2b(previous + message_key(message), digest_size=16).digest()
+        digests.append(previous)
+    return digests
+
+
+def continued(call: Call, parent_digest: bytes) -> bytes:
+    """The digest of a call's whole messages and its reply (what a call continuing it starts
+    with), from ``parent_digest``, its parent's (``b""`` for a root)."""
+    return prefix_digests([*call.messages, call.reply], parent_digest)[-1]
+
+
+def parent_of(index: dict[bytes, int], messages: Sequence[dict[str, Any]]) -> tuple[int | None, int]:
+    """The earlier call whose messages and reply begin ``messages`` (the longest such, the
+    latest among equals) and how many messages that is; ``(None, 0)`` for a new root.
+    ``index`` maps the ``continued`` digest of each earlier call to it (the latest wins)."""
+    digests = prefix_digests(messages)
+    for length in range(len(digests), 0, -1):
+        found = index.get(digests[length - 1])
+        if found is not None:
+            return found, length
+    return None, 0
+
+
+def whole_messages(calls: Sequence[Call], index: int) -> list[dict[str, Any]]:
+    """A call's messages in full: each call keeps only those after its parent's messages and
+    reply (the parent's reply stands for the agent's copy of it, equal as the engine renders)."""
+    chain = path_to(calls, index)
+    messages: list[dict[str, Any]] = []
+    for position, step in enumerate(chain):
+        if position:
+            messages.append(calls[chain[position - 1]].reply)
+        messages.extend(calls[step].messages)
+    return messages
+
+
+def path_to(calls: Sequence[Call], end: int) -> list[int]:
+    """The calls from the root to ``end``, in order."""
+    path = [end]
+    while (parent := calls[path[-1]].parent) is not None:
+        path.append(parent)
+    path.reverse()
+    return path

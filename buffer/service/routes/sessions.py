@@ -1,0 +1,222 @@
+"""The gateway's routes: sessions, and the OpenAI-compatible root each one gives an agent.
+
+POST /sessions                                  open: {"session_id", "base_url", "api_key"}
+GET  /sessions/{id}                             its state: calls, tree, reward
+POST /sessions/{id}/v1/chat/completions         proxied to the engine and recorded
+GET  /sessions/{id}/v1/models                   the engine's models
+POST /sessions/{id}/reward                      {"reward": number | {name: number}}
+POST /sessions/{id}/end                         write the trajectory (or {"discard": true})
+GET  /images/{sha256}                           an image a trajectory keeps by reference
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated, Any, Literal
+
+import orjson
+from fastapi import APIRouter, Header, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from buffer.errors import InvalidInput, NotFound
+from buffer.service.gateway.images import media_type
+from buffer.service.gateway.proxy import for_agent, stream_chunks
+from buffer.service.gateway.service import Gateway
+from buffer.service.models import FiniteNumber, InstanceId
+from buffer.service.responses import envelope
+from buffer.toolkit.llm import LLMError
+
+router = APIRouter(tags=["gateway"])
+
+
+class OpenSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    task_type: Annotated[str, Field(min_length=1)]
+    instance_id: InstanceId
+    remote_engine_url: str | list[str] | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    timeout_s: Annotated[float, Field(gt=0)] | None = None
+    on_timeout: Literal["write", "discard"] | None = None
+
+
+class RewardBody(BaseModel):
+    reward: FiniteNumber | dict[str, FiniteNumber]
+
+
+class EndBody(BaseModel):
+    reward: FiniteNumber | dict[str, FiniteNumber] | None = None
+    discard: bool = False
+    #: The call whose path makes the trajectory (default: the last call recorded).
+    call: int | None = None
+
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+@router.post("/sessions")
+async def open_session(body: OpenSession, request: Request) -> Response:
+    gateway = _gateway(request)
+    session = await gateway.open(
+        body.task_type,
+        body.instance_id,
+        body.remote_engine_url,
+        body.metadata,
+        body.timeout_s,
+        body.on_timeout,
+    )
+    root = str(request.base_url).rstrip("/")
+    return envelope(
+        True,
+        "session opened",
+        {
+            "session_id": session.session_id,
+            "base_url": f"{root}/sessions/{session.session_id}/v1",
+            "api_key": session.api_key,
+        },
+    )
+
+
+@router.get("/gateway/sessions")
+async def list_sessions(request: Request) -> Response:
+    """The open sessions (task, instance, calls, age) and how many were written or discarded."""
+    store = _gateway(request).store
+    now = time.time()
+    sessions = [
+        {
+            "session_id": s.session_id,
+            "task_type": s.task_type,
+            "instance_id": s.instance_id,
+            "calls": len(s.calls),
+            "idle_s": round(now - s.last_at, 3),
+        }
+        for s in list(store.sessions.values())
+    ]
+    return envelope(True, f"{len(sessions)} open", {"open": sessions, "closed": dict(store.closed)})
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, request: Request) -> Response:
+    session = _gateway(request).session(session_id)
+    return envelope(
+        True,
+        "open",
+        {
+            "session_id": session.session_id,
+            "task_type": session.task_type,
+            "instance_id": session.instance_id,
+            "calls": len(session.calls),
+            "parents": [call.parent for call in session.calls],
+            "reward": session.reward,
+        },
+    )
+
+
+async def chat_completions(request: Request) -> Response:
+    """An OpenAI chat completion, forwarded to the session's engine and recorded (a plain
+    Starlette endpoint, first in the route table: FastAPI's matching and dependency solving
+    cost a quarter of a millisecond a call)."""
+    gateway = _gateway(request)
+    session = gateway.session(
+        request.path_params["session_id"], request.headers.get("authorization"), agent=True
+    )
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput.one("body", f"is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidInput.one("body", "must be a JSON object")
+    try:
+        answer = await gateway.complete(session, body)
+    except LLMError as exc:
+        return _engine_error(exc)
+    answer = for_agent(answer, body)
+    if body.get("stream"):
+        return StreamingResponse(stream_chunks(answer, body), media_type="text/event-stream")
+    return Response(orjson.dumps(answer), media_type="application/json")
+
+
+ROUTES = [Route("/sessions/{session_id}/v1/chat/completions", chat_completions, methods=["POST"])]
+
+_SESSION_ID = {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_OBJECT = {"type": "object"}
+OPENAPI_PATHS: dict[str, Any] = {
+    "/sessions/{session_id}/v1/chat/completions": {
+        "post": {
+            "summary": "Chat Completions",
+            "description": chat_completions.__doc__,
+            "operationId": "chat_completions_sessions__session_id__v1_chat_completions_post",
+            "tags": ["gateway"],
+            "parameters": [
+                {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
+            ],
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"type": "object"}}},
+            },
+            "responses": {
+                "200": {"description": "the engine's answer (a stream of chunks with stream: true)"},
+                "404": {"description": "no open session"},
+                "503": {"description": "generation is paused; retry after Retry-After"},
+            },
+        }
+    }
+}
+
+
+@router.get("/sessions/{session_id}/v1/models")
+async def models(
+    session_id: str, request: Request, authorization: Annotated[str | None, Header()] = None
+) -> Response:
+    gateway = _gateway(request)
+    session = gateway.session(session_id, authorization, agent=True)
+    status, content = await gateway.proxy.models(session.engine_urls)
+    return Response(content, status_code=status, media_type="application/json")
+
+
+@router.post("/sessions/{session_id}/reward")
+async def reward(session_id: str, body: RewardBody, request: Request) -> Response:
+    gateway = _gateway(request)
+    await gateway.reward(gateway.session(session_id), body.reward)
+    return envelope(True, "reward recorded")
+
+
+@router.post("/sessions/{session_id}/end")
+async def end(session_id: str, request: Request, body: EndBody | None = None) -> Response:
+    gateway = _gateway(request)
+    body = body or EndBody()
+    result = await gateway.end(
+        gateway.session(session_id), reward=body.reward, discard=body.discard, call=body.call
+    )
+    if result is None:
+        return envelope(True, "session discarded", {"written": False})
+    return envelope(
+        True,
+        "session written",
+        {"written": True, "uid": result.uid, "task_type": result.task_type, "duplicate": result.duplicate},
+    )
+
+
+@router.get("/images/{digest}")
+async def image(digest: str, request: Request) -> Response:
+    directory = _gateway(request).images.directory
+    if directory is None or len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
+        raise NotFound(f"no image {digest!r}")
+    path = directory / digest
+    try:
+        data = await asyncio.to_thread(path.read_bytes)
+    except FileNotFoundError:
+        raise NotFound(f"no image {digest!r}") from None
+    return Response(data, media_type=media_type(data))
+
+
+def _engine_error(exc: LLMError) -> Response:
+    """The engine's refusal as OpenAI's error shape, with its status (502: no usable answer)."""
+    status = exc.status or 502
+    message = exc.engine_message or str(exc)
+    body = {"error": {"message": message, "type": "engine_error", "param": None, "code": status}}
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")

@@ -1,0 +1,104 @@
+"""``PUT /tasks/{name}``: configure a task without starting a job.
+
+For generators that run elsewhere (``rollout-buffer worker``, a generator of one's own on
+another machine): the task gets its group size, timeouts and hooks before the first write, so
+its groups are judged as its ``/start_rollout`` would have them judged. Without this a write to
+an unknown task is grouped by ``--group-size`` (slime's behaviour), or refused with
+``--strict-tasks``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from starlette.responses import Response
+
+from buffer.core.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE
+from buffer.service.models import TaskGrouping
+from buffer.service.responses import envelope
+from buffer.service.services import Services, services
+
+router = APIRouter(prefix="/tasks")
+
+
+class TaskConfig(TaskGrouping):
+    """How the task groups and judges what is written to it; defaults as ``/start_rollout``'s."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    generator: Annotated[StrictStr, Field(min_length=1)] | None = Field(
+        None,
+        description="the TASK_TYPE of the generator file whose hooks judge the groups (default: the "
+        "task's own name if a generator defines it, else the default hooks)",
+    )
+
+
+@router.put("/{name}")
+async def configure_task(
+    name: Annotated[str, Field(min_length=1)], body: TaskConfig, svc: Annotated[Services, Depends(services)]
+) -> Response:
+    settings = body.task_settings(svc.settings.default_task_settings())
+    if body.evaluation:
+        hooks, source = EVALUATION_HOOKS, EVALUATION_SOURCE
+    else:
+        await asyncio.to_thread(svc.registry.refresh)
+        source = body.generator or name
+        # A generator named outright must exist (a typo would silently judge with the defaults).
+        hooks = svc.registry.get(source).hooks if body.generator else svc.registry.hooks_for(source)
+    svc.buffer.configure_task(name, settings, hooks, hooks_source=source)
+    await svc.buffer.wait_durable()
+    return envelope(
+        True,
+        f"Task {name} configured",
+        {
+            "task_type": name,
+            "settings": asdict(settings),
+            "hooks_from": source,
+            "hooks_overridden": sorted(hooks.overridden),
+        },
+    )
+
+
+class LeaseClaim(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    worker: Annotated[StrictStr, Field(min_length=1, max_length=200)]
+    offer: list[StrictStr] = Field(default_factory=list, max_length=10_000)
+    ttl_s: float = Field(30.0, gt=0, le=3600)
+    plan: dict[StrictStr, Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="how many items each epoch of the worker's plan has (sent with its first claim)"
+    )
+
+
+class OrphanClaim(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    worker: Annotated[StrictStr, Field(min_length=1, max_length=200)]
+    limit: int = Field(64, ge=0, le=10_000)
+    ttl_s: float = Field(30.0, gt=0, le=3600)
+
+
+@router.post("/{name}/leases")
+async def claim_leases(name: str, body: LeaseClaim, svc: Annotated[Services, Depends(services)]) -> Response:
+    """Grant the worker the offered work items (``epoch|instance_id|repeat``) that nobody holds
+    and none has made; renew its leases (an empty offer is a heartbeat)."""
+    granted = svc.jobs.leases.claim(name, body.worker, body.offer, body.ttl_s, body.plan)
+    return envelope(True, f"{len(granted)} granted", {"granted": granted})
+
+
+@router.post("/{name}/leases/orphans")
+async def claim_orphans(
+    name: str, body: OrphanClaim, svc: Annotated[Services, Depends(services)]
+) -> Response:
+    """Grant the worker items whose worker stopped; how many others hold, and how many items of
+    the plan nobody holds or made."""
+    granted, held_by_others, unmade = svc.jobs.leases.orphans(name, body.worker, body.limit, body.ttl_s)
+    return envelope(
+        True,
+        f"{len(granted)} granted",
+        {"granted": granted, "held_by_others": held_by_others, "unmade": unmade},
+    )

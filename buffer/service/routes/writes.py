@@ -1,0 +1,127 @@
+"""The hot path: ``/buffer/write`` and ``/buffer/write_batch``.
+
+These are plain Starlette endpoints placed first in the route table: FastAPI's per-request
+dependency solving and body handling cost more than the write itself. The body is parsed
+and validated in one pass (``buffer.service.models.parse_json``); ``OPENAPI_PATHS`` documents them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from buffer import storable
+from buffer.errors import InvalidInput
+from buffer.service.models import TRAJECTORIES, TRAJECTORY, TRAJECTORY_BATCH, parse_json
+from buffer.service.responses import envelope
+from buffer.service.services import Services
+
+
+async def write(request: Request) -> Response:
+    """Buffer one trajectory. A retried write (same ``uid``) is accepted and counted once."""
+    svc: Services = request.app.state.services
+    body = await request.body()
+    trajectory = parse_json(TRAJECTORY, body)
+    _check_finite(body, trajectory)
+    result = svc.buffer.write(trajectory)
+    await svc.buffer.wait_durable()
+    message = (
+        "Duplicate uid: already buffered"
+        if result.duplicate
+        else "Data has been successfully written to buffer"
+    )
+    return envelope(
+        True, message, {"uid": result.uid, "task_type": result.task_type, "duplicate": result.duplicate}
+    )
+
+
+async def write_batch(request: Request) -> Response:
+    """Buffer many trajectories at once, all or none: one invalid item refuses the batch."""
+    svc: Services = request.app.state.services
+    body = await request.body()
+    if body.lstrip()[:1] == b"{":
+        batch = parse_json(TRAJECTORY_BATCH, body)
+        _check_finite(body, batch)
+        items: list[Any] = batch["trajectories"]
+    elif body.lstrip()[:1] == b"[":
+        items = parse_json(TRAJECTORIES, body)
+        _check_finite(body, items)
+    else:
+        raise InvalidInput.one("body", 'must be a list of trajectories or {"trajectories": [...]}')
+    results = svc.buffer.write_many(items)
+    await svc.buffer.wait_durable()
+    duplicates = sum(result.duplicate for result in results)
+    written = len(results) - duplicates
+    return envelope(
+        True,
+        f"Wrote {written} trajectories ({duplicates} duplicates)",
+        {"uids": [result.uid for result in results], "written": written, "duplicates": duplicates},
+    )
+
+
+def _check_finite(body: bytes, parsed: Any) -> None:
+    """Refuse ``Infinity`` and ``NaN`` anywhere in a trajectory (the parser takes them; the
+    store would keep them as null), naming the field. Looked for only when the bytes hold one:
+    a scan of the body costs far less than a walk of what it parsed to, and a scan for one
+    byte (``memchr``) less again than one for a word, so the words are looked for only after
+    their first letters."""
+    if (b"I" in body and b"Infinity" in body) or (b"N" in body and b"NaN" in body):
+        path = storable.non_finite_at(parsed)
+        if path is not None:
+            raise InvalidInput.one(storable.field_name(path), "must be a finite number")
+
+
+ROUTES = [
+    Route("/buffer/write", write, methods=["POST"]),
+    Route("/buffer/write_batch", write_batch, methods=["POST"]),
+]
+
+_TRAJECTORY = {"$ref": "#/components/schemas/Trajectory"}
+_ANSWER = {
+    "200": {"description": "written (or a duplicate, accepted); with --data-dir, on disk"},
+    "413": {"description": "larger than --max-request-bytes, or a batch larger than the buffer's limit"},
+    "415": {"description": "not sent as Content-Type: application/json"},
+    "422": {"description": "invalid"},
+    "429": {"description": "the buffer is full (--max-buffered-trajectories); retry after Retry-After"},
+    "503": {"description": "the data folder cannot be written"},
+}
+
+OPENAPI_PATHS: dict[str, Any] = {
+    "/buffer/write": {
+        "post": {
+            "summary": "Write",
+            "description": write.__doc__,
+            "operationId": "write_buffer_write_post",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _TRAJECTORY}}},
+            "responses": _ANSWER,
+        }
+    },
+    "/buffer/write_batch": {
+        "post": {
+            "summary": "Write Batch",
+            "description": write_batch.__doc__,
+            "operationId": "write_batch_buffer_write_batch_post",
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "oneOf": [
+                                {"type": "array", "items": _TRAJECTORY},
+                                {
+                                    "type": "object",
+                                    "required": ["trajectories"],
+                                    "properties": {"trajectories": {"type": "array", "items": _TRAJECTORY}},
+                                },
+                            ]
+                        }
+                    }
+                },
+            },
+            "responses": _ANSWER,
+        }
+    },
+}

@@ -1,0 +1,303 @@
+"""What the service lets in and what it lets out.
+
+In: ``ApiKeyMiddleware`` asks every request but ``GET /`` and ``GET /health`` for the API key
+(``Authorization: Bearer <key>``, or HTTP Basic with the key as password so a browser can open
+the dashboard); ``BrowserGuardMiddleware`` refuses a POST from another web origin (403) and a
+body not sent as JSON (415), so a page the operator visits cannot write to or drain the buffer
+with a "simple" cross-origin request, key or no key; ``BodySizeLimitMiddleware`` refuses a body
+larger than ``max_request_bytes`` with a 413 before the route sees it. All are pure ASGI: they
+run on every write.
+
+Out: no traceback reaches a client; the API names where an error happened instead
+(``buffer.core.registry.where``) and the log keeps the whole traceback. Unexpected errors are a bare
+500 (``buffer.service.app``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import ipaddress
+import logging
+
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from buffer.service.responses import envelope
+from buffer.service.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+#: Open without the key: liveness probes and load balancers know no keys.
+OPEN_PATHS = frozenset({"/", "/health"})
+OPEN_METHODS = frozenset({"GET", "HEAD"})
+#: Pages a browser opens: their 401 asks for Basic credentials, which makes it show a login form.
+BROWSER_PREFIX = "/dashboard"
+BASIC_CHALLENGE = 'Basic realm="rollout-buffer"'
+API_KEY_VARIABLE = "ROLLOUT_BUFFER_API_KEY"
+MISSING_KEY = "missing API key: send 'Authorization: Bearer <key>'"
+MISSING_LOGIN = "missing API key: log in with any user name and the API key as password"
+
+_DISCONNECT: Message = {"type": "http.disconnect"}
+
+
+def required_key(settings: Settings) -> str | None:
+    """The key the service requires, or None: an empty key is no key."""
+    key = settings.api_key.get_secret_value() if settings.api_key is not None else ""
+    return key or None
+
+
+def warn_if_exposed(settings: Settings) -> None:
+    """Log a warning when the service listens beyond this machine without an API key."""
+    if required_key(settings) is None and not is_loopback(settings.host):
+        logger.warning(
+            "listening on %s:%s without an API key: anyone who can reach this port can read and write "
+            "the buffer and start generators. Set a key with --api-key or %s (clients read the same "
+            "variable), or listen on this machine only with --host 127.0.0.1",
+            settings.host,
+            settings.port,
+            API_KEY_VARIABLE,
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address (``127.0.0.0/8``, ``::1``, bracketed or not)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+# -- the API key ------------------------------------------------------------------------
+
+
+def _is_session_api(path: str) -> bool:
+    """A gateway session's OpenAI-compatible root: the agent sends its session's key, which
+    the gateway checks (``buffer.service.gateway.service``), never the service's."""
+    return path.startswith("/sessions/") and "/v1/" in path
+
+
+class ApiKeyMiddleware:
+    """Answers 401 to a request without the right key. Added only when a key is configured."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        if not api_key:
+            raise ValueError("api_key must not be empty")
+        self.app = app
+        self._key = api_key.encode()
+        self._bearer = b"Bearer " + self._key  # what the clients send: checked first, as a whole
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        open_path = (
+            scope["type"] == "lifespan"
+            or (scope.get("method") in OPEN_METHODS and scope["path"] in OPEN_PATHS)
+            or _is_session_api(scope["path"])
+        )
+        problem = None if open_path else self._problem(scope["headers"])
+        if problem is None:
+            await self.app(scope, receive, send)
+        elif scope["type"] != "http":  # a websocket: close it before accepting it
+            await send({"type": "websocket.close", "code": 1008, "reason": problem})
+        else:
+            client = scope.get("client")
+            address = client[0] if client else "?"
+            logger.info("refused %s %s from %s: %s", scope["method"], scope["path"], address, problem)
+            await _unauthorized(problem, scope["path"])(scope, receive, send)
+
+    def _problem(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+        """None when the key is right, else what is missing or wrong (never the key sent)."""
+        for name, value in headers:
+            if name == b"authorization":
+                if hmac.compare_digest(value, self._bearer):
+                    return None
+                scheme, _, credentials = value.strip().partition(b" ")
+                scheme = scheme.lower()
+                if scheme == b"bearer":
+                    return self._check(credentials.strip())
+                if scheme == b"basic":
+                    try:
+                        decoded = base64.b64decode(credentials.strip(), validate=True)
+                    except binascii.Error:
+                        return "malformed Basic credentials: expected base64 of 'user:key'"
+                    return self._check(decoded.partition(b":")[2])
+                return "unsupported Authorization scheme: send 'Authorization: Bearer <key>'"
+        return MISSING_KEY
+
+    def _check(self, key: bytes) -> str | None:
+        return None if hmac.compare_digest(key, self._key) else "wrong API key"
+
+
+def _unauthorized(problem: str, path: str) -> Response:
+    in_browser = path == BROWSER_PREFIX or path.startswith(BROWSER_PREFIX + "/")
+    message = MISSING_LOGIN if in_browser and problem == MISSING_KEY else problem
+    response = envelope(False, message, status_code=401)
+    response.headers["www-authenticate"] = BASIC_CHALLENGE if in_browser else "Bearer"
+    return response
+
+
+# -- browsers ---------------------------------------------------------------------------
+
+#: Methods a page can send cross-origin without asking first, and that change nothing here.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+#: ``Sec-Fetch-Site`` values of a request some other site's page made.
+OTHER_SITES = frozenset({b"cross-site", b"same-site"})  # same-site: another port or subdomain
+NOT_JSON = "the body must be JSON: send 'Content-Type: application/json'"
+
+
+class BrowserGuardMiddleware:
+    """Refuses what only a browser on another origin's page sends: a POST whose ``Origin`` is
+    not the service's own (or ``Sec-Fetch-Site`` says another site) gets 403 unless the origin
+    is allowed (``--allowed-origins``, ``*`` for any); a body whose ``Content-Type`` is not
+    JSON gets 415. A cross-origin ``fetch`` or form can send ``text/plain`` or a form without
+    asking first (no CORS preflight), and the buffer would take it; clients (the trainer, the
+    generators, curl with ``-H 'content-type: application/json'``) send no ``Origin``, and JSON.
+    """
+
+    def __init__(self, app: ASGIApp, allowed_origins: list[str] | None = None) -> None:
+        self.app = app
+        allowed = allowed_origins or []
+        self._any_origin = "*" in allowed
+        self._allowed = frozenset(origin.rstrip("/").lower().encode() for origin in allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in SAFE_METHODS:
+            await self.app(scope, receive, send)
+            return
+        origin = site = host = content_type = None
+        for name, value in scope["headers"]:
+            if name == b"content-type":
+                content_type = value
+            elif name == b"origin":
+                origin = value
+            elif name == b"sec-fetch-site":
+                site = value
+            elif name == b"host":
+                host = value
+        if not self._any_origin and self._foreign(scope, origin, site, host):
+            shown = (origin or b"another site").decode("latin-1")
+            problem = f"a browser request from {shown} is refused: allow its origin with --allowed-origins"
+            await self._refuse(scope, receive, send, 403, problem)
+        elif not _is_json(content_type):
+            await self._refuse(scope, receive, send, 415, NOT_JSON)
+        else:
+            await self.app(scope, receive, send)
+
+    def _foreign(self, scope: Scope, origin: bytes | None, site: bytes | None, host: bytes | None) -> bool:
+        if site == b"same-origin":
+            return False
+        if origin is not None:
+            origin = origin.rstrip(b"/").lower()
+            own = scope.get("scheme", "http").encode() + b"://" + (host or b"").lower()
+            return origin != own and origin not in self._allowed
+        return site in OTHER_SITES
+
+    @staticmethod
+    async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, problem: str) -> None:
+        logger.info("refused %s %s: %s", scope["method"], scope["path"], problem)
+        await envelope(False, problem, status_code=status)(scope, receive, send)
+
+
+def _is_json(content_type: bytes | None) -> bool:
+    """``application/json`` or a ``+json`` type, parameters (``; charset=utf-8``) aside; or none
+    at all, taken as JSON as FastAPI (and slime's buffer) take it: a client posting
+    ``data=json.dumps(...)`` sends none, and a browser sending none sends an ``Origin``."""
+    if content_type is None:
+        return True
+    media_type = content_type.partition(b";")[0].strip().lower()
+    return media_type == b"application/json" or (
+        media_type.startswith(b"application/") and media_type.endswith(b"+json")
+    )
+
+
+# -- the request size -------------------------------------------------------------------
+
+
+class BodySizeLimitMiddleware:
+    """Answers 413 to a body larger than ``max_bytes``, before the route reads any of it.
+
+    A ``Content-Length`` is checked up front; the server's HTTP parser delivers no more than it
+    declares, so such a request passes with nothing wrapped. A body of unknown length (chunked) is
+    counted as it arrives: past the limit the client gets its 413 at once, and the route's next
+    ``receive`` reports a disconnect, so it stops reading and writes nothing of what it got. (Had
+    the route already started its response, the rest of it is dropped: the server then closes the
+    connection, and the client sees a failed request, never a complete-looking answer.)
+
+    The 413 closes the connection: the server would otherwise read, and throw away, the rest of a
+    body of any length. A client that is still sending reads the 413 once its write fails
+    (httpx does).
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self._message = f"request body is larger than max_request_bytes ({max_bytes} bytes)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length: int | None = None
+        chunked = False
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:  # the server refuses it first; count the body if not
+                    chunked = True
+            elif name == b"transfer-encoding":
+                chunked = True
+        if length is not None and length > self.max_bytes:
+            await self._refuse(scope, receive, send)
+        elif length is not None and not chunked:
+            await self.app(scope, receive, send)
+        else:
+            await self._counted(scope, receive, send)
+
+    async def _counted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the app on a body whose length is known only once it has all arrived."""
+        received = 0
+        refused = False
+        response_started = False
+
+        async def counting_receive() -> Message:
+            nonlocal received, refused
+            if refused:
+                return _DISCONNECT
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    refused = True
+                    if response_started:  # too late for a 413: the response stays unfinished
+                        logger.warning("cut %s %s short: %s", scope["method"], scope["path"], self._message)
+                    else:
+                        await self._refuse(scope, receive, send)
+                    return _DISCONNECT
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal response_started
+            if refused:  # the 413 is sent, or the response is cut short
+                return
+            if message["type"] == "http.response.start":
+                response_started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except Exception:
+            if not refused:
+                raise
+            # What the route made of its cut body (a ClientDisconnect, say) is moot: the client has its 413.
+            logger.debug(
+                "%s %s failed after its body was refused", scope["method"], scope["path"], exc_info=True
+            )
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        logger.warning("refused %s %s: %s", scope["method"], scope["path"], self._message)
+        response = envelope(False, self._message, status_code=413)
+        response.headers["connection"] = "close"
+        await response(scope, receive, send)

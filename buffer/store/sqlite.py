@@ -1,0 +1,671 @@
+"""The buffer on disk: one SQLite database holding every change, a snapshot, and the export.
+
+    DATA_DIR/
+      LOCK                 flock-ed while a service uses the folder
+      buffer.sqlite3       (with -wal and -shm beside it while open)
+        events(id, header, payload)      the changes since the snapshot, in order, ids dense
+        snapshot(id, header, payload)    the whole state as of the events it replaced
+        delivered(id, read_id, delivered_at, task_type, instance_id, trajectory)   the export
+        meta(key, value)                 the format, the last event id, what the snapshot covers
+
+An event is the buffer's record of one change: a JSON header (``e`` names its kind) and a
+payload (trajectories bytes for bytes as the buffer holds them). The buffer replays them
+through the same code that made the change (``RolloutBuffer._apply``): the tables hold a log,
+never a second copy of the rules.
+
+Appends come from the buffer under its lock, so the log's order is the buffer's order, and
+cost a list append. One writer thread commits what has gathered in one transaction (group
+commit) and then releases everyone waiting on it: ``wait_durable`` for the event loop,
+``wait_durable_blocking`` for threads. A write is acknowledged only after that wait.
+
+``synchronous`` follows the promise made on acknowledgement. ``--durability sync`` (FULL): the
+WAL is fsync-ed at each commit, so an acknowledged change survives power loss. ``flush``
+(NORMAL): a commit reaches the OS without an fsync (the WAL is synced at checkpoints), which
+survives a crash of the service, not of the machine; that is what ``flush`` promises.
+
+A read (``read``) is one entry: its event and its export rows go into the same transaction,
+so a read is delivered and exported together or not at all. A commit that fails (a full disk,
+an I/O error, any exception) fails every waiter with ``StorageFailed``, takes back every read
+not yet committed (``undo``: their groups return to the buffer, never marked delivered), and
+is retried until it succeeds; then the journal takes writes again, without a restart.
+
+Compaction writes the state into a staging table from its own connection, in short
+transactions, then hands the writer an ``_Install`` entry. The state is captured at a position
+of the log (under the buffer's lock) and the writer installs it (replace the snapshot, delete
+the events up to that position) in order, so in the same transaction as or a later one than
+every change before it: a compaction never makes durable a state whose changes are not.
+A failure in between voids the compaction, since the reads it took back are in that state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import functools
+import logging
+import math
+import sqlite3
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+
+from buffer import storable
+from buffer.errors import InvalidInput, StorageFailed
+
+logger = logging.getLogger(__name__)
+
+DATABASE = "buffer.sqlite3"
+FORMAT_VERSION = 1
+#: How long the writer waits before it tries a failed commit again.
+RETRY_INTERVAL_S = 1.0
+_STAGING_ROWS = 2000
+_WAL_LIMIT_BYTES = 64 * 2**20
+#: The page size of a new database (an existing one keeps its own). A record (a trajectory,
+#: about 2 KB) would take most of a 4 KB page, each written to the WAL by its own syscalls
+#: and copied again at each checkpoint; 16 KB pages hold several, which cut the writer's CPU
+#: per commit. Larger pages cost more than they save: each commit writes whole pages.
+PAGE_SIZE = 16384
+
+_LOG_COLUMNS = "(id INTEGER PRIMARY KEY, header TEXT NOT NULL, payload BLOB NOT NULL)"
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events {_LOG_COLUMNS};
+CREATE TABLE IF NOT EXISTS snapshot {_LOG_COLUMNS};
+CREATE TABLE IF NOT EXISTS delivered (
+    id INTEGER PRIMARY KEY,
+    read_id INTEGER NOT NULL,
+    delivered_at REAL NOT NULL,
+    task_type TEXT NOT NULL,
+    instance_id NOT NULL,
+    trajectory TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS delivered_at ON delivered (delivered_at);
+"""
+
+
+class JournalCorrupt(Exception):
+    """The data folder is damaged: the start-up stops, naming the file and the problem.
+    ``rollout-buffer check DIR --repair`` salvages what can be read."""
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    header: dict[str, Any]
+    payload: bytes = b""
+
+    def parts(self) -> list[bytes]:
+        """The payload parts ``encode`` was given."""
+        lengths = self.header.get("n")
+        if lengths is None:
+            return [self.payload] if self.payload else []
+        parts, start = [], 0
+        for length in lengths:
+            parts.append(self.payload[start : start + length])
+            start += length
+        return parts
+
+
+def encode(header: dict[str, Any], parts: Sequence[bytes] = ()) -> bytes:
+    """One record: the header's JSON, a newline, the payload parts. With more than one part,
+    ``n`` records their lengths.
+
+    orjson writes a non-finite float as ``null``, which would read back as something else
+    (and stop every later start-up): such a header is refused with ``InvalidInput``."""
+    if len(parts) > 1:
+        header = {**header, "n": [len(part) for part in parts]}
+    head = orjson.dumps(header)
+    if b"null" in head:  # cheap: only then look for the float behind it
+        refuse_non_finite(header)
+    return b"".join((head, b"\n", *parts))
+
+
+def refuse_non_finite(value: Any, prefix: str = "") -> None:
+    """Raise ``InvalidInput`` naming the first float in ``value`` that is inf or nan."""
+    where = storable.non_finite_at(value)
+    if where is not None:
+        field = ".".join(str(part) for part in (*([prefix] if prefix else []), *where))
+        raise InvalidInput.one(field, "must be a finite number (the data folder cannot keep inf or nan)")
+
+
+def split(record: bytes) -> tuple[str, memoryview]:
+    """A record's header (as text) and payload, as the tables store them."""
+    newline = record.index(b"\n")
+    return record[:newline].decode(), memoryview(record)[newline + 1 :]
+
+
+#: Called by the compaction thread: under the lock every append is made under, reads
+#: ``position`` and captures the state; returns that position and the state's records
+#: (which may be produced lazily, outside the lock).
+Snapshotter = Callable[[], tuple[int, Iterable[bytes]]]
+
+#: An export row: (read_id, delivered_at, task_type, instance_id, trajectory bytes).
+ExportRow = tuple[int, float, str, Any, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """A read: its event and its export rows (made in the writer thread) in one transaction;
+    ``undo`` gives its groups back to the buffer if the commit fails."""
+
+    record: bytes
+    rows: Callable[[], Iterable[ExportRow]]
+    undo: Callable[[], None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Install:
+    position: int
+    generation: int
+    rows: int
+
+
+_Entry = bytes | _Read | _Install | None  # None: a read taken back
+#: The event of a position with no change (a read taken back, a compaction): replays to nothing.
+_NOTHING = b'{"e":"nop"}\n'
+
+
+def connect(path: Path, *, sync: bool = True, readonly: bool = False) -> sqlite3.Connection:
+    """A connection in autocommit mode (transactions are explicit), WAL, and the
+    ``synchronous`` level the durability asks for."""
+    if readonly:
+        connection = sqlite3.connect(
+            f"file:{path}?mode=ro", uri=True, isolation_level=None, check_same_thread=False
+        )
+    else:
+        connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    connection.execute("PRAGMA busy_timeout = 60000")
+    if not readonly:
+        connection.execute(f"PRAGMA page_size = {PAGE_SIZE}")  # a new database only
+        connection.execute("PRAGMA journal_mode = WAL")
+        connection.execute(f"PRAGMA synchronous = {'FULL' if sync else 'NORMAL'}")
+        connection.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT_BYTES}")  # after a big compaction
+    return connection
+
+
+class Journal:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        sync: bool = True,
+        compact_bytes: int = 256 * 2**20,
+        retention_s: float = 7 * 24 * 3600.0,
+    ) -> None:
+        if not math.isfinite(retention_s) or retention_s < 0:
+            raise ValueError(
+                f"the export retention must be a finite number of seconds >= 0, not {retention_s}"
+            )
+        self.directory = directory
+        self.database = directory / DATABASE
+        self.sync = sync
+        self.compact_bytes = compact_bytes
+        self.retention_s = retention_s
+        directory.mkdir(parents=True, exist_ok=True)
+        self._lock_file = _lock(directory / "LOCK")
+        self._db: sqlite3.Connection | None = None
+        self._cv = threading.Condition(threading.Lock())
+        self._buffer_lock: threading.RLock | Any = threading.RLock()
+        self._pending: list[_Entry] = []
+        self._appended = 0  # the position of the last entry appended, ever
+        self._durable = 0
+        self._waiters: deque[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = deque()
+        self._failure: OSError | None = None
+        self._last_error = OSError(errno.EIO, "no failure")
+        self._generation = 0  # bumped by each failure: a compaction from before it is void
+        self._closing = False
+        self._writer: threading.Thread | None = None
+        self._since_snapshot = 0  # bytes of events since the snapshot
+        self._snapshot_bytes = 0
+        self._snapshotter: Snapshotter | None = None
+        self._compacting: threading.Thread | None = None
+        self._install_pending = False  # a compaction staged or queued, not yet installed
+        self._no_compaction = False
+        self._next_retention_check = 0.0
+        self.bytes_written = 0
+        self.commits = 0
+        self.compactions = 0
+        self.failures = 0
+
+    # -- start-up ----------------------------------------------------------------------
+
+    def recover(self) -> Iterator[Event]:
+        """The events to restore the buffer from: the snapshot, then every event after it.
+        Migrates a folder of the former journal files first. Call once, before ``start``."""
+        from buffer.store import migration  # only for start-up
+
+        migration.migrate(self.directory, self.database)
+        try:
+            self._db = connect(self.database, sync=self.sync)
+            problems = [row[0] for row in self._db.execute("PRAGMA quick_check")]
+            if problems != ["ok"]:
+                raise JournalCorrupt(f"{self.database}: {'; '.join(problems[:5])}{self._repair_hint}")
+            self._db.executescript(SCHEMA)
+            self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (str(FORMAT_VERSION),))
+            last = self._db.execute("SELECT max(id) FROM events").fetchone()[0]
+        except sqlite3.DatabaseError as exc:
+            raise JournalCorrupt(f"{self.database}: {exc}{self._repair_hint}") from exc
+        self._appended = self._durable = last or 0
+        for table in ("snapshot", "events"):
+            for event_id, header, payload in self._rows(table):
+                size = len(header) + len(payload)
+                if table == "snapshot":
+                    self._snapshot_bytes += size
+                else:
+                    self._since_snapshot += size
+                try:
+                    yield Event(orjson.loads(header), bytes(payload))
+                except orjson.JSONDecodeError as exc:
+                    message = f"{self.database}: {table} row {event_id}: {exc}{self._repair_hint}"
+                    raise JournalCorrupt(message) from exc
+
+    @property
+    def _repair_hint(self) -> str:
+        return f" (`rollout-buffer check {self.directory} --repair` salvages what can be read)"
+
+    def _rows(self, table: str) -> Iterator[tuple[int, str, bytes]]:
+        assert self._db is not None
+        last = -1
+        while True:  # in pages: a cursor over the whole table would hold a read open
+            try:
+                rows = self._db.execute(
+                    f"SELECT id, header, payload FROM {table} WHERE id > ? ORDER BY id LIMIT 1000",
+                    (last,),
+                ).fetchall()
+            except sqlite3.DatabaseError as exc:
+                message = f"{self.database}: {table} after row {last}: {exc}{self._repair_hint}"
+                raise JournalCorrupt(message) from exc
+            if not rows:
+                return
+            yield from rows
+            last = rows[-1][0]
+
+    def start(self, snapshotter: Snapshotter | None = None, *, lock: Any = None) -> None:
+        """Start the writer thread. ``lock`` is the one every append is made under: a failed
+        commit takes reads back under it."""
+        if self._db is None:
+            for _ in self.recover():
+                pass
+        self._snapshotter = snapshotter
+        if lock is not None:
+            self._buffer_lock = lock
+        self._writer = threading.Thread(target=self._write_forever, name="journal-writer", daemon=True)
+        self._writer.start()
+
+    # -- appends (under the buffer's lock) ---------------------------------------------
+
+    def append(self, record: bytes) -> None:
+        with self._cv:
+            self._pending.append(record)
+            self._appended += 1
+            self._cv.notify()
+
+    def read(self, record: bytes, rows: Callable[[], Iterable[ExportRow]], undo: Callable[[], None]) -> None:
+        """Log a read with its export rows, committed together. ``rows`` makes the rows in the
+        writer thread, off the reader's path; ``undo`` takes the read back if the commit fails."""
+        with self._cv:
+            self._pending.append(_Read(record, rows, undo))
+            self._appended += 1
+            self._cv.notify()
+
+    def position(self) -> int:
+        """The position of the last change appended: a snapshot taken now covers up to it."""
+        with self._cv:
+            return self._appended
+
+    # -- waiting -----------------------------------------------------------------------
+
+    async def wait_durable(self) -> None:
+        """Return once everything appended so far is durable; raises ``StorageFailed``."""
+        with self._cv:
+            if self._durable >= self._appended:
+                return
+            if self._failure is not None:
+                raise StorageFailed(self._failure)
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[None] = loop.create_future()
+            self._waiters.append((self._appended, loop, future))
+        await future
+
+    def wait_durable_blocking(self, timeout_s: float | None = None) -> None:
+        """``wait_durable`` for a thread."""
+        with self._cv:
+            target = self._appended
+            failures = self.failures
+            if not self._cv.wait_for(
+                lambda: self._durable >= target or self.failures != failures or self._failure is not None,
+                timeout_s,
+            ):
+                raise TimeoutError("the journal did not reach the disk in time")
+            if self.failures != failures or (self._durable < target and self._failure is not None):
+                raise StorageFailed(self._last_error)
+
+    # -- the writer thread -------------------------------------------------------------
+
+    def _write_forever(self) -> None:
+        batch: list[_Entry] = []
+        first = self._durable + 1  # the position of batch[0]
+        while True:
+            with self._cv:
+                while not self._pending and not batch and not self._closing:
+                    self._cv.wait()
+                first = self._durable + 1 if not batch else first
+                batch.extend(self._pending)
+                self._pending = []
+                target, closing = self._appended, self._closing
+            if not batch:
+                return  # closing, and everything written
+            try:
+                self._commit(batch, first)
+            except Exception as exc:  # whatever it is: fail the waiters, never die
+                self._fail(exc, batch)
+                if closing:
+                    return
+                with self._cv:
+                    self._cv.wait_for(lambda: self._closing, RETRY_INTERVAL_S)
+                continue
+            batch = []
+            self._release(target)
+            self._maybe_compact()
+
+    def _commit(self, batch: list[_Entry], first: int) -> None:
+        db = self._db
+        assert db is not None
+        events: list[tuple[int, str, memoryview]] = []
+        exports: list[ExportRow] = []
+        installs: list[_Install] = []
+        size = 0
+        for position, entry in enumerate(batch, first):
+            if isinstance(entry, bytes):
+                record = entry
+            elif isinstance(entry, _Read):
+                record = entry.record
+                exports.extend(entry.rows())
+            else:  # a read taken back, a compaction: a placeholder keeps the ids dense
+                record = _NOTHING
+                if entry is not None:
+                    installs.append(entry)
+            size += len(record)
+            events.append((position, *split(record)))
+        if db.in_transaction:
+            db.rollback()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            insert(db, "events", events)
+            if exports:
+                insert(db, _DELIVERED, [(*row[:4], row[4].decode()) for row in exports])
+            installed = [self._install(db, install) for install in installs]
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('last_event', ?)", (str(first + len(batch) - 1),))
+            if time.monotonic() >= self._next_retention_check:
+                db.execute("DELETE FROM delivered WHERE delivered_at < ?", (time.time() - self.retention_s,))
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.rollback()
+            raise
+        if time.monotonic() >= self._next_retention_check:
+            self._next_retention_check = time.monotonic() + 60.0
+        self.bytes_written += size
+        if any(installed):
+            self._since_snapshot, self._snapshot_bytes = installed_sizes(db), installs[-1].rows
+            self.compactions += 1
+        else:
+            self._since_snapshot += size
+        self.commits += 1
+
+    def _install(self, db: sqlite3.Connection, install: _Install) -> bool:
+        """Replace the snapshot with the staged one and delete the events it covers."""
+        with self._cv:
+            self._install_pending = False
+        if install.generation != self._generation:
+            logger.warning("compaction dropped: a failed commit since took reads back from its state")
+            return False
+        if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'snapshot_next'").fetchone() is None:
+            return False
+        db.execute("DROP TABLE snapshot")
+        db.execute("ALTER TABLE snapshot_next RENAME TO snapshot")
+        db.execute("DELETE FROM events WHERE id <= ?", (install.position,))
+        db.execute("INSERT OR REPLACE INTO meta VALUES ('snapshot_through', ?)", (str(install.position),))
+        return True
+
+    def _release(self, target: int) -> None:
+        with self._cv:
+            if self._failure is not None:
+                logger.warning("the journal writes to %s again", self.directory)
+                self._failure = None
+            self._durable = target
+            self._cv.notify_all()  # threads in wait_durable_blocking
+            ready: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+            while self._waiters and self._waiters[0][0] <= target:
+                _, loop, future = self._waiters.popleft()
+                ready.setdefault(loop, []).append(future)
+        for loop, futures in ready.items():
+            with contextlib.suppress(RuntimeError):  # that loop has closed
+                loop.call_soon_threadsafe(_settle, futures, None)
+
+    def _fail(self, exc: Exception, batch: list[_Entry]) -> None:
+        """Every waiter fails; every read not committed is taken back; the batch is kept for
+        the next try (the changes in it are in the buffer already)."""
+        error = _as_os_error(exc)
+        with self._buffer_lock:  # no append runs while reads are taken back
+            with self._cv:
+                if self._failure is None:
+                    logger.critical(
+                        "the journal cannot write to %s: %s; writes and reads fail until it can",
+                        self.directory,
+                        error.strerror,
+                        exc_info=exc,
+                    )
+                self._failure = self._last_error = error
+                self.failures += 1
+                self._generation += 1
+                reads: list[_Read] = []
+                for entries in (batch, self._pending):
+                    for index, entry in enumerate(entries):
+                        if isinstance(entry, _Read):
+                            reads.append(entry)
+                            entries[index] = None
+                self._cv.notify_all()
+                waiters, self._waiters = list(self._waiters), deque()
+            for read in reversed(reads):
+                read.undo()
+        for _, loop, future in waiters:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, [future], StorageFailed(error))
+
+    @property
+    def failure(self) -> OSError | None:
+        """Why changes cannot be kept now (a failed commit, or the service stopping)."""
+        return self._failure
+
+    @property
+    def failing(self) -> OSError | None:
+        """The failure of a commit, while the writer tries again (None once it succeeds)."""
+        return None if self._closing else self._failure
+
+    def counters(self) -> dict[str, Any]:
+        return {
+            "data_dir": str(self.directory),
+            "durability": "sync" if self.sync else "flush",
+            "bytes_written": self.bytes_written,
+            "commits": self.commits,
+            "compactions": self.compactions,
+            "bytes_since_snapshot": self._since_snapshot,
+            "failed": None if self._failure is None else str(self._failure.strerror),
+        }
+
+    # -- compaction --------------------------------------------------------------------
+
+    def _maybe_compact(self) -> None:
+        if self._snapshotter is None:
+            return
+        with self._cv:  # against close(): a compaction is either never started or joined
+            if self._no_compaction or self._since_snapshot < max(self.compact_bytes, self._snapshot_bytes):
+                return
+            if self._install_pending or (self._compacting is not None and self._compacting.is_alive()):
+                return
+            self._compacting = threading.Thread(
+                target=self._compact_safely, name="journal-compaction", daemon=True
+            )
+            self._compacting.start()
+
+    def _compact_safely(self) -> None:
+        try:
+            self.compact()
+        except Exception:
+            logger.exception("journal compaction failed; the journal keeps growing until the next try")
+
+    def compact(self) -> None:
+        """Write the state into the staging table and queue its installation; returns once
+        queued (``wait_durable_blocking`` then waits for it to be installed)."""
+        assert self._snapshotter is not None
+        started = time.monotonic()
+        with self._cv:
+            generation = self._generation
+        with self._cv:
+            self._install_pending = True
+        rows = size = 0
+        try:
+            position, records = self._snapshotter()
+        except BaseException:
+            with self._cv:
+                self._install_pending = False
+            raise
+        db = connect(self.database, sync=self.sync)
+        try:
+            db.execute("DROP TABLE IF EXISTS snapshot_next")
+            db.execute(f"CREATE TABLE snapshot_next {_LOG_COLUMNS}")
+            chunk: list[tuple[int, str, memoryview]] = []
+            for record in records:
+                rows += 1
+                size += len(record)
+                chunk.append((rows, *split(record)))
+                if len(chunk) >= _STAGING_ROWS:  # short transactions: the writer is never held long
+                    _insert_staged(db, chunk)
+                    chunk = []
+            _insert_staged(db, chunk)
+        except BaseException:
+            with self._cv:
+                self._install_pending = False
+            raise
+        finally:
+            db.close()
+        with self._cv:
+            self._pending.append(_Install(position, generation, size))
+            self._appended += 1
+            self._cv.notify()
+        logger.info(
+            "journal compaction: %d records, %.1f MB staged in %.1f s",
+            rows,
+            size / 1e6,
+            time.monotonic() - started,
+        )
+
+    # -- shutdown ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Write everything appended, stop the threads, release the folder. Anything appended
+        after (by a straggling generator thread) is refused with ``StorageFailed``."""
+        with self._cv:
+            self._no_compaction = True
+            compaction = self._compacting
+        if compaction is not None:
+            compaction.join()  # its installation is then in the queue, which the writer drains
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        if self._writer is not None:
+            self._writer.join()
+        if self._db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                if self._db.in_transaction:
+                    self._db.rollback()
+                self._db.close()
+            self._db = None
+        self._lock_file.close()
+        with self._cv:
+            stopped = self._failure is None
+            if stopped:
+                self._failure = OSError(errno.ESHUTDOWN, "the service is stopping")
+                self._cv.notify_all()
+                waiters, self._waiters = list(self._waiters), deque()
+        if stopped:
+            for _, loop, future in waiters:
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(_settle, [future], StorageFailed(self._failure))  # type: ignore[arg-type]
+
+
+def installed_sizes(db: sqlite3.Connection) -> int:
+    """The bytes of the events left after a compaction."""
+    row = db.execute("SELECT sum(length(header) + length(payload)) FROM events").fetchone()
+    return int(row[0] or 0)
+
+
+def _insert_staged(db: sqlite3.Connection, rows: list[tuple[int, str, memoryview]]) -> None:
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        insert(db, "snapshot_next", rows)
+        db.execute("COMMIT")
+    except BaseException:
+        db.rollback()
+        raise
+
+
+#: Rows per INSERT at most (SQLite allows 32766 values in a statement).
+_ROWS_PER_INSERT = 512
+_DELIVERED = "delivered (read_id, delivered_at, task_type, instance_id, trajectory)"
+
+
+def insert(db: sqlite3.Connection, into: str, rows: Sequence[tuple[Any, ...]]) -> None:
+    """Insert ``rows`` in a few multi-row statements, not one step per row (``executemany``):
+    each step lets go of the GIL and takes it back, a handover with the event loop per row.
+    The statements hold a power of two of rows each, so only a few texts are ever prepared
+    (and cached)."""
+    start = 0
+    while start < len(rows):
+        count = min(_ROWS_PER_INSERT, 1 << (len(rows) - start).bit_length() - 1)
+        chunk = rows[start : start + count]
+        db.execute(_insert_sql(into, len(chunk[0]), count), [value for row in chunk for value in row])
+        start += count
+
+
+@functools.cache
+def _insert_sql(into: str, width: int, rows: int) -> str:
+    one = "(" + ", ".join("?" * width) + ")"
+    return f"INSERT INTO {into} VALUES " + ", ".join([one] * rows)
+
+
+def _as_os_error(exc: Exception) -> OSError:
+    """What ``StorageFailed`` reports: the OS's error, or SQLite's, or the exception's."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc):
+        return OSError(errno.ENOSPC, f"No space left on device ({exc})")
+    return OSError(errno.EIO, f"{type(exc).__name__}: {exc}")
+
+
+def _settle(futures: list[asyncio.Future[None]], error: Exception | None) -> None:
+    for future in futures:
+        if future.done():  # its request was cancelled
+            continue
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+
+def _lock(path: Path) -> BinaryIO:
+    file = path.open("ab")
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.close()
+        raise RuntimeError(f"{path.parent} is in use by another rollout buffer (it holds {path})") from None
+    return file

@@ -1,0 +1,125 @@
+"""``RolloutBufferClient``: the rollout buffer's API over one ``httpx.Client``, for synchronous trainers."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, TypeVar
+
+import httpx
+from tenacity import Retrying
+
+from buffer.trainer.client import calls
+from buffer.trainer.client.base import DEFAULT_MAX_RETRY_S, ClientBase
+from buffer.trainer.client.calls import Call
+from buffer.trainer.client.models import BufferStats, JobInfo, RolloutBatch, StartedRollout
+from buffer.trainer.client.polling import LongPoll
+from buffer.trainer.client.retries import RetryableStatus, decode
+
+_T = TypeVar("_T")
+
+
+class RolloutBufferClient(ClientBase):
+    """The rollout buffer's API over one ``httpx.Client``; close it, or use it as a context manager."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 60.0,
+        max_attempts: int | None = None,
+        max_retry_s: float | None = DEFAULT_MAX_RETRY_S,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 5.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        super().__init__(
+            base_url,
+            api_key=api_key,
+            timeout_s=timeout_s,
+            max_attempts=max_attempts,
+            max_retry_s=max_retry_s,
+            backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s,
+        )
+        self._client = httpx.Client(
+            base_url=self.base_url,
+            headers=self._headers,
+            timeout=timeout_s,
+            transport=transport,
+            trust_env=False,
+        )
+
+    def __enter__(self) -> RolloutBufferClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._client.close()
+
+    def start_rollout(self, task_type: str, *, restart: bool = False, **payload: Any) -> StartedRollout:
+        """Start the task's generator (slime's payload as keyword arguments), or get its running job."""
+        return self._call(calls.start_rollout(task_type, restart, payload))
+
+    def get_rollout_data(
+        self, batch_size: int | None = None, task_type: str | None = None, wait_s: float = 0.0
+    ) -> RolloutBatch:
+        """Whole ready groups, at most ``batch_size`` items (at least one group); with ``wait_s``,
+        wait up to that long for some. An empty batch when nothing came in time."""
+        poll = LongPoll(wait_s)
+        while True:
+            asked_s = poll.next_wait_s()
+            sent_at = time.monotonic()
+            batch = self._call(calls.get_rollout_data(batch_size, task_type, asked_s))
+            if batch.success:
+                return batch
+            pause_s = poll.pause_s(asked_s, time.monotonic() - sent_at)
+            if pause_s is None:
+                return batch
+            if pause_s:
+                time.sleep(pause_s)
+
+    def stats(self) -> BufferStats:
+        return self._call(calls.STATS)
+
+    def jobs(self) -> list[JobInfo]:
+        return self._call(calls.JOBS)
+
+    def job(self, job_id: str) -> JobInfo:
+        return self._call(calls.job(job_id))
+
+    def cancel_job(self, job_id: str) -> JobInfo:
+        return self._call(calls.cancel_job(job_id))
+
+    def health(self) -> dict[str, Any]:
+        return self._call(calls.HEALTH)
+
+    def policy(self) -> dict[str, Any]:
+        """The policy version the buffer knows and whether generation is paused."""
+        return self._call(calls.POLICY)
+
+    def set_policy_version(self, version: int) -> dict[str, Any]:
+        """The engines now serve ``version`` (versions only go up: a lower one is a 409)."""
+        return self._call(calls.set_policy_version(version))
+
+    def pause_generation(
+        self, mode: str = "abort", *, engine_urls: list[str] | None = None, timeout_s: float = 60.0
+    ) -> dict[str, Any]:
+        """Hold the generators' engine requests around a weight update (``abort`` or ``drain``)."""
+        return self._call(calls.pause_generation(mode, engine_urls, timeout_s))
+
+    def resume_generation(self, version: int | None = None) -> dict[str, Any]:
+        return self._call(calls.resume_generation(version))
+
+    def _call(self, call: Call[_T]) -> _T:
+        options = self._request_options(call)
+        retrying = Retrying(**self._retry_options())
+        try:
+            for attempt in retrying:
+                with attempt:
+                    answer = decode(self._client.request(call.method, call.path, **options))
+        except (RetryableStatus, httpx.TransportError) as exc:
+            raise self._gave_up(call, exc, retrying.statistics.get("attempt_number", 1)) from exc
+        return self._parse(call, answer)

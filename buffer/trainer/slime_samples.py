@@ -1,0 +1,354 @@
+"""slime ``Sample``s from converted trajectories, and what a step's batch must be for slime's trainer.
+
+slime's ``RolloutManager`` flattens what the rollout function returns, normalises the
+rewards, builds one train-data dict and turns each per-sample list into a tensor. Each rule
+here keeps one of those steps from failing or training on the wrong thing:
+
+- ``reward``: the raw reward when slime normalises per group itself (a GRPO-family
+  ``--advantage-estimator`` without ``--disable-rewards-normalization``), the buffer's
+  task-normalised reward otherwise: normalised once either way. ``metadata["raw_reward"]``
+  is always the raw one (slime logs it).
+- ``metadata`` is the trajectory's ``extra_info`` with its ``uid``, ``instance_id``,
+  ``raw_reward`` and ``round_number`` (assistant turns) on every sample: slime reads a key
+  off every sample once the first has it.
+- ``index`` counts trajectories in this process (instance ids may be strings; the id is in
+  ``metadata["instance_id"]``), ``group_index`` counts groups, and ``rollout_id`` is the
+  trajectory's ``index``: the siblings of a trajectory that branched share all three.
+- A trajectory the converter refuses (``SampleConversionError``) keeps its place and its
+  reward in its group, as a placeholder slime trains nothing on (``remove_sample``, loss mask
+  0, status FAILED, the reason in ``metadata["refused"]``), so the group's baseline and its
+  size stay right. A group with nothing convertible is dropped. Both are counted.
+- A trajectory that branched (one sample per branch) is one entry of its group holding the
+  list of its samples: a group keeps ``n_samples_per_prompt`` entries, as slime's data
+  source requires, and slime's rollout-id check and flattening accept the nesting. A step
+  with any branch nests every entry, since slime flattens by looking at the first one.
+- ``rollout_log_probs`` are all set or all None in a step (slime decides from the first
+  sample and cannot make a tensor of None). When ``--use-tis``, ``--use-rollout-logprobs``
+  or ``--get-mismatch-metrics`` reads them, a sample without them (text only) stays in its
+  group for the baseline but is removed from the loss, with 0.0 log probs; a step where no
+  sample has them is a configuration error, said at once. When nothing reads them, a mixed
+  step drops them all rather than log a mismatch against made-up values. A sample already
+  removed from the loss (a refused one) gets 0.0 and never forces either choice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from buffer.trainer.samples import SampleConversionError, SampleConverter, TrainingSample
+
+try:
+    from slime.utils.types import Sample
+except ImportError as exc:  # pragma: no cover - the adapter runs inside slime's trainer
+    raise ImportError(
+        "buffer.trainer.slime_rollout runs inside slime's trainer: slime is not importable here"
+    ) from exc
+
+logger = logging.getLogger(__name__)
+
+#: Estimators whose advantages slime normalises per group (``_post_process_rewards``), and those
+#: it also divides by the group's std (unless ``--disable-grpo-std-normalization``).
+GROUP_NORMALISED = frozenset({"grpo", "gspo", "cispo", "reinforce_plus_plus_baseline"})
+STD_NORMALISED = frozenset({"grpo", "gspo", "cispo"})
+#: slime's flags that read ``rollout_log_probs`` in the loss.
+LOG_PROB_FLAGS = ("use_tis", "use_rollout_logprobs", "get_mismatch_metrics")
+#: The reward a generator writes for a trajectory that failed (``default_func.FAILURE_REWARD``).
+FAILURE_REWARD = -1.0
+
+#: One trajectory in a group: its sample, or the samples of its branches.
+Entry = Any
+
+
+class RolloutLogProbsMissing(RuntimeError):
+    """A loss that needs rollout log probs, and a step in which no sample has them."""
+
+
+def slime_normalises_rewards(args: Any) -> bool:
+    return getattr(args, "advantage_estimator", "grpo") in GROUP_NORMALISED and bool(
+        getattr(args, "rewards_normalization", True)
+    )
+
+
+def needs_rollout_log_probs(args: Any) -> bool:
+    return any(getattr(args, flag, False) for flag in LOG_PROB_FLAGS)
+
+
+@dataclass(slots=True)
+class Converted:
+    """One trajectory read from the buffer and what conversion made of it: one sample, one
+    per branch, or none with the reason it was refused."""
+
+    item: dict[str, Any]
+    samples: list[TrainingSample]
+    refusal: str | None = None
+
+
+def convert(converter: SampleConverter, item: dict[str, Any]) -> Converted:
+    """Convert one trajectory; a refusal is recorded, never raised.
+
+    A converter with ``convert_all`` (one sample per branch) is used through it; one with
+    ``convert`` alone gives one sample."""
+    convert_all = getattr(converter, "convert_all", None)
+    try:
+        samples = list(convert_all(item)) if convert_all is not None else [converter.convert(item)]
+    except SampleConversionError as exc:
+        return Converted(item, [], str(exc))
+    if not samples:
+        return Converted(item, [], "the converter gave no sample")
+    return Converted(item, samples)
+
+
+@dataclass(slots=True)
+class StepCounts:
+    """What one step's samples needed besides converting, for slime's rollout metrics."""
+
+    refused_samples: int = 0
+    refused_groups: int = 0
+    branched_trajectories: int = 0
+    removed_without_log_probs: int = 0
+    dropped_log_probs: int = 0
+    epochs_started: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        return {f"rollout_buffer/{name}": float(value) for name, value in asdict(self).items()}
+
+
+class SampleBuilder:
+    """Builds slime's groups for one trainer process, numbering groups and trajectories."""
+
+    def __init__(self, args: Any) -> None:
+        self.raw_rewards = slime_normalises_rewards(args)
+        self.groups_made = 0
+        self.trajectories_made = 0
+
+    def group(self, converted: Sequence[Converted], counts: StepCounts) -> list[Entry] | None:
+        """One group's entries, or None when nothing in it can be trained on."""
+        template = next((c.samples[0] for c in converted if c.samples), None)
+        rewards = [_reward(c.item, raw=self.raw_rewards) for c in converted]
+        if template is None or None in rewards:
+            counts.refused_groups += 1
+            counts.refused_samples += sum(1 for c in converted if c.refusal is not None)
+            reasons = "; ".join(sorted({c.refusal for c in converted if c.refusal}))
+            logger.warning(
+                "dropped the group of %r: %s",
+                converted[0].item.get("instance_id"),
+                reasons or "a reward that is not a number",
+            )
+            return None
+        group_index = self.groups_made
+        self.groups_made += 1
+        entries: list[Entry] = []
+        for c, reward in zip(converted, rewards, strict=True):
+            index = self.trajectories_made
+            self.trajectories_made += 1
+            if c.refusal is not None:
+                counts.refused_samples += 1
+                logger.warning(
+                    "refused trajectory %r kept as a placeholder: %s", c.item.get("uid"), c.refusal
+                )
+                entries.append(_placeholder(c, template, group_index, index, reward))
+                continue
+            samples = [to_sample(c.item, one, group_index, index, reward) for one in c.samples]
+            if len(samples) > 1:
+                counts.branched_trajectories += 1
+                entries.append(samples)
+            else:
+                entries.append(samples[0])
+        return entries
+
+
+def to_sample(
+    item: Mapping[str, Any], converted: TrainingSample | None, group_index: int, index: int, reward: Any
+) -> Any:
+    """slime's ``Sample`` for one trajectory (or one of its branches)."""
+    metadata = {
+        **(converted.metadata if converted is not None else item.get("extra_info") or {}),
+        "uid": item.get("uid"),
+        "instance_id": item.get("instance_id"),
+        "raw_reward": item.get("raw_reward", item.get("reward")),
+        # slime reads it off every sample once the first has it (its multi-turn metrics)
+        "round_number": _rounds(item),
+    }
+    sample = Sample(
+        group_index=group_index,
+        index=index,
+        rollout_id=index,
+        prompt=_prompt(item),
+        response=_response(item),
+        label=_label(metadata),
+        reward=reward,
+        status=_status(converted.status if converted is not None else None),
+        metadata=metadata,
+    )
+    if converted is not None:
+        sample.tokens = list(converted.tokens)
+        sample.response_length = converted.response_length
+        sample.loss_mask = list(converted.loss_mask)
+        sample.rollout_log_probs = (
+            None if converted.rollout_log_probs is None else list(converted.rollout_log_probs)
+        )
+        versions = getattr(converted, "weight_versions", None) or []
+        sample.weight_versions = [str(version) for version in versions if version is not None]
+        images = getattr(converted, "multimodal_inputs", None)
+        if images is not None:
+            sample.multimodal_inputs = images
+    return sample
+
+
+def _placeholder(c: Converted, template: TrainingSample, group_index: int, index: int, reward: Any) -> Any:
+    """A refused trajectory in its group: its reward counts, its tokens (a sibling's) do not."""
+    sample = to_sample(c.item, None, group_index, index, reward)
+    sample.tokens = list(template.tokens)
+    sample.response_length = template.response_length
+    sample.loss_mask = [0] * template.response_length
+    sample.remove_sample = True
+    sample.status = Sample.Status.FAILED
+    sample.metadata["refused"] = c.refusal
+    return sample
+
+
+def finish_step(args: Any, groups: list[list[Entry]], counts: StepCounts) -> list[list[Entry]]:
+    """The step's groups as slime's trainer takes them: one nesting depth throughout, and
+    ``rollout_log_probs`` on every sample or on none (see the module's docstring)."""
+    nested = any(isinstance(entry, list) for group in groups for entry in group)
+    if nested:
+        groups = [[entry if isinstance(entry, list) else [entry] for entry in group] for group in groups]
+    samples = list(flatten(groups))
+    have = [sample for sample in samples if sample.rollout_log_probs is not None]
+    if have:  # a removed sample's log probs are never read: zeros never force a choice
+        for sample in samples:
+            if sample.rollout_log_probs is None and sample.remove_sample:
+                sample.rollout_log_probs = [0.0] * sample.response_length
+    lacking = [sample for sample in samples if sample.rollout_log_probs is None]
+    if needs_rollout_log_probs(args):
+        if not have:
+            flags = ", ".join(
+                "--" + flag.replace("_", "-") for flag in LOG_PROB_FLAGS if getattr(args, flag, False)
+            )
+            raise RolloutLogProbsMissing(
+                f"{flags} needs rollout log probs, and none of this step's {len(samples)} samples has them: "
+                "the task's generator writes text only. Record the engine's tokens (the trajectory's turns) "
+                f"or run without {flags}."
+            )
+        for sample in lacking:
+            sample.rollout_log_probs = [0.0] * sample.response_length
+            sample.remove_sample = True
+        counts.removed_without_log_probs = len(lacking)
+        if lacking:
+            logger.warning(
+                "%d samples have no rollout log probs (text only): kept in their groups, not trained on",
+                len(lacking),
+            )
+    elif have and lacking:
+        for sample in samples:
+            sample.rollout_log_probs = None
+        counts.dropped_log_probs = len(have)
+        logger.info(
+            "dropped the rollout log probs of %d samples: %d of the step's samples have none",
+            len(have),
+            len(lacking),
+        )
+    if nested and slime_normalises_rewards(args) and not _ours(args):
+        logger.warning(
+            "trajectories branched into several samples, so slime's reward normalisation cannot "
+            "reshape by n_samples_per_prompt; use --custom-reward-post-process-path "
+            "buffer.trainer.slime_rollout.normalize_rewards_by_group"
+        )
+    return groups
+
+
+def _ours(args: Any) -> bool:
+    return (
+        getattr(args, "custom_reward_post_process_path", None)
+        == "buffer.trainer.slime_rollout.normalize_rewards_by_group"
+    )
+
+
+def flatten(node: Iterable[Any]) -> Iterable[Any]:
+    for child in node:
+        if isinstance(child, list):
+            yield from flatten(child)
+        else:
+            yield child
+
+
+def normalize_rewards_by_group(args: Any, samples: list[Any]) -> tuple[list[float], list[float]]:
+    """slime's ``--custom-reward-post-process-path`` for steps with branched trajectories.
+
+    slime's own normalisation reshapes the rewards by ``n_samples_per_prompt`` and, when a
+    trajectory gave several samples, treats the whole batch as one group. This normalises
+    within each ``group_index``, counting each trajectory (``rollout_id``) once, with slime's
+    arithmetic: minus the mean, and over the (sample) std plus 1e-6 for GRPO, GSPO and CISPO.
+    """
+    raw = [float(sample.get_reward_value(args)) for sample in samples]
+    if not slime_normalises_rewards(args):
+        return raw, raw
+    divide = args.advantage_estimator in STD_NORMALISED and getattr(args, "grpo_std_normalization", True)
+    per_group: dict[Any, dict[Any, float]] = {}
+    for sample, reward in zip(samples, raw, strict=True):
+        per_group.setdefault(sample.group_index, {})[sample.rollout_id] = reward
+    scale: dict[Any, tuple[float, float]] = {}
+    for group_index, by_trajectory in per_group.items():
+        values = list(by_trajectory.values())
+        mean = sum(values) / len(values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+        scale[group_index] = (mean, std + 1e-6 if divide else 1.0)
+    normalised = []
+    for sample, reward in zip(samples, raw, strict=True):
+        mean, divisor = scale[sample.group_index]
+        normalised.append((reward - mean) / divisor)
+    return raw, normalised
+
+
+def number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _reward(item: Mapping[str, Any], *, raw: bool) -> float | None:
+    if raw and item.get("raw_reward") is not None:
+        return number(item["raw_reward"])
+    return number(item.get("reward"))
+
+
+def _status(status: str | None) -> Any:
+    return {
+        "truncated": Sample.Status.TRUNCATED,
+        "aborted": Sample.Status.ABORTED,
+    }.get(status or "", Sample.Status.COMPLETED)
+
+
+def _label(metadata: Mapping[str, Any]) -> str | None:
+    label = metadata.get("label")
+    return None if label is None else str(label)
+
+
+def _prompt(item: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The messages before the first assistant message (slime's chat-format prompt)."""
+    messages = item.get("messages") or []
+    prompt = []
+    for message in messages:
+        if not isinstance(message, Mapping) or message.get("role") == "assistant":
+            break
+        prompt.append(dict(message))
+    return prompt
+
+
+def _rounds(item: Mapping[str, Any]) -> int:
+    """The assistant turns of the trajectory (as slime's rollout-buffer generators count them)."""
+    messages = item.get("messages") or []
+    return sum(1 for m in messages if isinstance(m, Mapping) and m.get("role") == "assistant")
+
+
+def _response(item: Mapping[str, Any]) -> str:
+    """The last assistant message's text (slime logs it and checks it for repetition)."""
+    for message in reversed(item.get("messages") or []):
+        if isinstance(message, Mapping) and message.get("role") == "assistant":
+            content = message.get("content")
+            return content if isinstance(content, str) else ""
+    return ""

@@ -1,0 +1,153 @@
+"""GET /metrics: the Prometheus text format, read from the buffer and the jobs at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+
+from buffer.toolkit.runner import Progress
+from buffer.toolkit.types import Completion, TokenCapture
+from tests.support.calls import WAITING, job_status, read, wait_for, write_all
+from tests.support.factories import group, write_generator
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def scrape(client: TestClient) -> dict[tuple[str, Labels], float]:
+    """Every sample of ``/metrics``, by name and sorted labels."""
+    response = client.get("/metrics")
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == CONTENT_TYPE_LATEST
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def value(samples: dict[tuple[str, Labels], float], name: str, **labels: str) -> float:
+    return samples[f"rollout_buffer_{name}", tuple(sorted(labels.items()))]
+
+
+def test_buffer_metrics_count_writes_reads_states_discards_and_rewards(client: TestClient) -> None:
+    write_all(
+        client, group("q1", [0, 1, 0, 1], task_type="math") + group("q2", [1, 0, 1, 0], task_type="math")
+    )
+    write_all(client, group("q3", [1, 1, 1, 1], task_type="other"))  # no diversity: invalid
+    write_all(client, group("q4", [0.5, 0.5], task_type="other"))  # half a group: pending
+    read(client, {"task_type": "math", "batch_size": 4})
+
+    samples = scrape(client)
+    assert value(samples, "trajectories_written_total", task="math") == 8
+    assert value(samples, "trajectories_delivered_total", task="math") == 4
+    assert value(samples, "groups_delivered_total", task="math") == 1
+    assert value(samples, "groups", task="math", state="ready") == 1
+    assert value(samples, "groups", task="math", state="pending") == 0
+    assert value(samples, "items", task="math", state="ready") == 4
+    assert value(samples, "reward_mean", task="math") == 0.5
+    assert value(samples, "rewards_total", task="math") == 8
+    # A summary's sum and count: rate(sum) / rate(count) is a windowed mean in Prometheus.
+    assert value(samples, "reward_count", task="math") == 8
+    assert value(samples, "reward_sum", task="math") == pytest.approx(4.0)
+    assert value(samples, "reward_sum", task="other") == pytest.approx(5.0)
+    assert value(samples, "served_group_age_seconds_count", task="math") == 1  # one group read
+    assert value(samples, "served_group_age_seconds_sum", task="math") >= 0
+
+    assert value(samples, "trajectories_written_total", task="other") == 6
+    assert value(samples, "trajectories_delivered_total", task="other") == 0
+    assert value(samples, "groups_discarded_total", task="other", reason="invalid_group") == 1
+    assert value(samples, "groups_set_aside_total", task="other") == 0
+    assert value(samples, "groups", task="other", state="pending") == 1
+    assert value(samples, "items", task="other", state="pending") == 2
+    assert value(samples, "reward_mean", task="other") == pytest.approx(5 / 6)
+    assert value(samples, "reward_std", task="other") == pytest.approx(0.2581988897)
+    assert value(samples, "jobs", state="running") == 0
+
+
+def test_a_scrape_reads_the_state_of_now_not_of_the_first_scrape(client: TestClient) -> None:
+    scrape(client)
+    write_all(client, group("q1", [0, 1, 0, 1]))
+    assert value(scrape(client), "groups", task="default", state="ready") == 1
+
+
+LLM_GENERATOR = """
+from buffer.toolkit import run_rollouts
+
+TASK_TYPE = "local"
+
+async def run_rollout(data):
+    await run_rollouts(data, reward=lambda sample, episode: float(sample.repeat))
+"""
+
+
+def test_llm_metrics_come_from_the_progress_of_the_tasks_jobs(
+    make_client: Callable[..., TestClient], generator_dir: Path, tmp_path: Path, simulator: str
+) -> None:
+    write_generator(generator_dir, "local_generator.py", LLM_GENERATOR)
+    write_generator(generator_dir, "waiting_generator.py", WAITING)
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        '{"prompt": "What is 1 + 1?", "label": "2"}\n{"prompt": "What is 2 + 2?", "label": "4"}\n'
+    )
+    client = make_client(input_roots=[tmp_path])
+    payload = {"task_type": "local", "input_file": str(data), "remote_engine_url": simulator}
+    job = client.post("/start_rollout", json={**payload, "num_repeat_per_sample": "2"}).json()
+    waiting = client.post("/start_rollout", json={"task_type": "waiting"}).json()
+    wait_for(lambda: job_status(client, job["job_id"]) != "running")
+    assert job_status(client, job["job_id"]) == "succeeded"
+
+    samples = scrape(client)
+    assert value(samples, "jobs", state="succeeded") == 1
+    assert value(samples, "jobs", state="running") == 1
+    assert value(samples, "jobs", state="failed") == 0
+    assert value(samples, "task_jobs", task="local", state="succeeded") == 1
+    assert value(samples, "task_jobs", task="waiting", state="running") == 1
+    # Two prompts, two answers each, one request each: the simulator never fails here.
+    assert value(samples, "llm_requests_total", task="local") == 4
+    assert value(samples, "llm_retries_total", task="local") == 0
+    assert value(samples, "llm_errors_total", task="local") == 0
+    assert value(samples, "generator_trajectories_completed_total", task="local") == 4
+    assert value(samples, "llm_request_latency_seconds_count", task="local") == 4
+    assert value(samples, "llm_request_latency_seconds_bucket", task="local", le="+Inf") == 4
+    assert value(samples, "llm_request_latency_seconds_sum", task="local") > 0
+    assert value(samples, "trajectories_written_total", task="local") == 4
+    assert value(samples, "llm_finish_reasons_total", task="local", reason="stop") == 4
+    assert value(samples, "llm_response_tokens_count", task="local") == 4
+    assert value(samples, "llm_response_tokens_sum", task="local") > 0
+    assert ("rollout_buffer_generator_trajectories_per_second", (("task", "local"),)) not in samples
+
+    client.post(f"/jobs/{waiting['job_id']}/cancel")
+    samples = scrape(client)
+    assert value(samples, "jobs", state="cancelled") == 1
+    assert value(samples, "jobs", state="running") == 0
+
+
+def test_progress_counts_requests_retries_and_latency_buckets() -> None:
+    progress = Progress("t", total=3)
+    progress.record([Completion("a", "stop", latency_s=0.07, attempts=1)])
+    # Three requests: one failed and was retried, one continued an aborted answer.
+    progress.record([Completion("b", "stop", latency_s=3.0, attempts=3, continuations=1)])
+    progress.record([Completion("c", "stop", latency_s=0.1, attempts=1)])
+    snapshot = progress.snapshot()
+    assert (snapshot["requests"], snapshot["retries"]) == (5, 1)
+    buckets = snapshot["latency_s_buckets"]
+    bounds = ("0.05", "0.1", "2.5", "5.0", "+Inf")
+    assert [buckets[le] for le in bounds] == [0, 2, 2, 3, 3]
+    assert snapshot["latency_s_count"] == 3
+    assert snapshot["latency_s_sum"] == pytest.approx(3.17)
+
+
+def test_progress_counts_finish_reasons_and_answer_lengths() -> None:
+    progress = Progress("t", total=3)
+    progress.record([Completion("a", "stop", usage={"completion_tokens": 7})])
+    # No usage: the ids count.
+    progress.record([Completion("b", "length", tokens=TokenCapture([9], [1, 2, 3]))])
+    progress.record([Completion("c", "length")])  # no length known: not in the mean
+    snapshot = progress.snapshot()
+    assert snapshot["finish_reasons"] == {"stop": 1, "length": 2}
+    assert (snapshot["response_tokens_count"], snapshot["response_tokens_sum"]) == (2, 10)
