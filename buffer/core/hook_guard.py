@@ -18,15 +18,7 @@ import time
 from typing import Any
 
 from buffer.core.hooks import HookFn, Hooks
-
-HOOK_NAMES = (
-    "filter_item",
-    "is_valid_group",
-    "normalize_group_data",
-    "pad_group_data",
-    "get_group_data_meta_info",
-    "transform_group",
-)
+from default_func import HOOKS
 
 
 class HookTimeout(Exception):
@@ -92,8 +84,6 @@ class GuardedHook:
 def guard_hooks(hooks: Hooks, limit_s: float) -> Hooks:
     """``hooks`` with each overridden one under a time limit of ``limit_s``."""
     guarded: dict[str, Any] = {
-        name: GuardedHook(name, getattr(hooks, name), limit_s)
-        for name in HOOK_NAMES
-        if name in hooks.overridden
+        name: GuardedHook(name, getattr(hooks, name), limit_s) for name in HOOKS if name in hooks.overridden
     }
     return dataclasses.replace(hooks, **guarded) if guarded else hooks

@@ -1,4 +1,10 @@
-"""Binding a generator's optional hooks to the contract written in ``default_func.HOOKS``."""
+"""Binding a generator's optional hooks to the contract written in ``default_func.HOOKS``.
+
+``HOOKS`` is the one list of hook names: ``bind_hooks`` checks a generator against it, the
+guard (``hook_guard``) and the reports go by it, and ``Hooks`` has one field per entry (its
+default is the entry's) so the pipeline calls each hook as a plain attribute; a test keeps the
+fields and ``HOOKS`` in step.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import default_func
 from default_func import HOOKS, HookSpec
 
 HookFn = Callable[..., Any]
@@ -15,15 +20,21 @@ HookFn = Callable[..., Any]
 
 @dataclass(frozen=True, slots=True)
 class Hooks:
-    """The six hooks of one task, each callable with the full argument list of its spec."""
+    """The hooks of one task (a field per entry of ``HOOKS``), each callable with the full
+    argument list of its spec; ``overridden`` names those that are not the defaults."""
 
-    filter_item: HookFn = default_func.filter_item
-    is_valid_group: HookFn = default_func.is_valid_group
-    normalize_group_data: HookFn = default_func.normalize_group_data
-    pad_group_data: HookFn = default_func.pad_group_data
-    get_group_data_meta_info: HookFn = default_func.get_group_data_meta_info
-    transform_group: HookFn = default_func.transform_group
+    filter_item: HookFn = HOOKS["filter_item"].default
+    is_valid_group: HookFn = HOOKS["is_valid_group"].default
+    normalize_group_data: HookFn = HOOKS["normalize_group_data"].default
+    pad_group_data: HookFn = HOOKS["pad_group_data"].default
+    get_group_data_meta_info: HookFn = HOOKS["get_group_data_meta_info"].default
+    transform_group: HookFn = HOOKS["transform_group"].default
     overridden: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def overriding(cls, hooks: Mapping[str, HookFn]) -> Hooks:
+        """The defaults, but for ``hooks`` (by name), which are the ones ``overridden``."""
+        return cls(**hooks, overridden=frozenset(hooks))
 
 
 def positional_arity(spec: HookSpec, fn: Any) -> int:
@@ -76,7 +87,7 @@ def bind_hooks(namespace: Mapping[str, Any]) -> Hooks:
             problems.append(str(exc))
     if problems:
         raise TypeError("; ".join(problems))
-    return Hooks(**bound, overridden=frozenset(bound))
+    return Hooks.overriding(bound)
 
 
 def _keep(*_: Any) -> bool:
@@ -93,11 +104,11 @@ EVALUATION_SOURCE = ":evaluation"
 
 #: An evaluation keeps every finished group as the generator wrote it (no filter, no
 #: normalisation, no padding), so the trainer scores the raw rewards of every sample.
-EVALUATION_HOOKS = Hooks(
-    filter_item=_keep,
-    is_valid_group=_keep,
-    normalize_group_data=_unchanged,
-    pad_group_data=_unchanged,
-    transform_group=_unchanged,
-    overridden=frozenset({"filter_item", "is_valid_group", "normalize_group_data", "pad_group_data"}),
+EVALUATION_HOOKS = Hooks.overriding(
+    {
+        "filter_item": _keep,
+        "is_valid_group": _keep,
+        "normalize_group_data": _unchanged,
+        "pad_group_data": _unchanged,
+    }
 )

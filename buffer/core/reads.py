@@ -1,19 +1,54 @@
-"""The policy's part in a read: setting stale groups aside, and mixing tasks by weight.
+"""The read path: which ready groups a read takes, what it reports, and how it is kept.
 
-Called by ``RolloutBuffer.read`` under its lock; works on the tasks' ready queues directly.
+``RolloutBuffer.read`` checks the store, picks the tasks and finishes their timed-out groups,
+then hands over to ``ReadPath.read`` (under the buffer's lock), which in order:
+
+1. sets aside the groups past their task's ``max_staleness`` (``stale_groups``; a ``stale``
+   record);
+2. chooses the groups: oldest first across the tasks (``choose``), or shared between tasks
+   by weight (``choose_mixed``, ``buffer.core.mixing``), one group per ``instance_id``;
+3. takes them off their tasks' queues and counts what was served (lags, admissions);
+4. reports the statistics window (``meta_info``) and closes it;
+5. keeps the read in the store: its ``read`` record and export rows together, with the way
+   to take it back (``_unread``) should the store fail to keep it.
+
+A restart replays the ``read`` and ``stale`` records (``replay_read``, ``TaskBuffer.drop_ready``)
+to the same state. Everything here runs under the buffer's lock.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections import Counter
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from buffer.core.hooks import EVALUATION_SOURCE
 from buffer.core.mixing import allocate, fill_shortfall
-from buffer.core.task import ReadyGroup, TaskBuffer
+from buffer.core.records import encode, export_rows
+from buffer.core.stats import RewardStats
+from buffer.core.task import InstanceId, ReadyGroup, TaskBuffer, Window
 from buffer.policy.state import Policy
 from buffer.policy.versions import group_versions
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from buffer.store.base import Store
+
+#: The reason a group past its task's ``max_staleness`` is counted under.
 STALE = "stale"
+
+
+@dataclass(slots=True)
+class ReadResult:
+    groups: list[ReadyGroup]
+    meta_info: dict[str, Any]
+
+    @property
+    def num_items(self) -> int:
+        return sum(len(group.items) for group in self.groups)
 
 
 def span_of(group: ReadyGroup, cache: dict[int, tuple[int, int] | None]) -> tuple[int, int] | None:
@@ -34,22 +69,6 @@ def stale_groups(task: TaskBuffer, policy: Policy, cache: dict[int, tuple[int, i
         if lag is not None and lag > bound:
             stale.append(group.seq)
     return stale
-
-
-def drop(task: TaskBuffer, seqs: list[int]) -> None:
-    """Take the groups ``seqs`` off the task's ready queue, counted as discarded ``stale``."""
-    wanted = set(seqs)
-    kept = []
-    for group in task.ready:
-        if group.seq in wanted:
-            task.ready_items -= len(group.items)
-            task.finished_instance_ids.append(group.instance_id)
-            task.discarded[STALE] += 1
-            task.window_discarded[STALE] += 1
-        else:
-            kept.append(group)
-    task.ready.clear()
-    task.ready.extend(kept)
 
 
 def choose_mixed(
@@ -104,3 +123,226 @@ def choose_mixed(
             f"{name} had {available.get(name, 0)} of {requested[name]}" for name in sorted(short)
         )
     return chosen, meta
+
+
+def choose(tasks: list[TaskBuffer], max_items: int | None, one_group_per_instance: bool) -> list[ReadyGroup]:
+    """The groups a read takes, oldest first across ``tasks``, merged through a heap of
+    each task's next group: O(groups looked at x log tasks), nothing moved. The groups
+    looked at are those returned, and the later groups of their instances passed over."""
+    iterators = [iter(task.ready) for task in tasks if task.ready]
+    heap: list[tuple[int, int, ReadyGroup]] = []
+    for index, iterator in enumerate(iterators):
+        head = next(iterator)
+        heap.append((head.seq, index, head))
+    heapq.heapify(heap)
+    chosen: list[ReadyGroup] = []
+    instances: set[InstanceId] = set()
+    taken = 0
+    while heap and (max_items is None or taken < max_items):
+        _, index, group = heap[0]
+        if not (one_group_per_instance and group.instance_id in instances):
+            size = len(group.items)
+            if chosen and max_items is not None and taken + size > max_items:
+                break
+            chosen.append(group)
+            instances.add(group.instance_id)
+            taken += size
+        following = next(iterators[index], None)
+        if following is None:
+            heapq.heappop(heap)
+        else:
+            heapq.heapreplace(heap, (following.seq, index, following))
+    return chosen
+
+
+def meta_info(tasks: list[TaskBuffer]) -> dict[str, Any]:
+    """The statistics a read reports: of the one task with any, or merged over several
+    (with each task's under ``tasks``)."""
+    active = [
+        task for task in tasks if task.window.count or "get_group_data_meta_info" in task.hooks.overridden
+    ]
+    if len(active) == 1:
+        return active[0].window_meta_info()
+    merged = RewardStats()
+    for task in active:
+        merged = merged.merge(task.window)
+    meta = merged.meta_info(sum(len(task.window_instances) for task in active))
+    if len(active) > 1:
+        meta["tasks"] = {task.task_type: task.window_meta_info() for task in active}
+    return meta
+
+
+def task_weights(task_type: str | None, tasks: list[TaskBuffer]) -> dict[str, float] | None:
+    """The tasks' weights for a read naming no task, if any task has one."""
+    if task_type is not None or not any(task.settings.weight is not None for task in tasks):
+        return None
+    return {
+        task.task_type: 1.0 if task.settings.weight is None else task.settings.weight
+        for task in tasks
+        if not task.hooks_source or task.hooks_source != EVALUATION_SOURCE
+    }
+
+
+class ReadPath:
+    """The reads of one buffer: takes groups for them, and owns what reads count (``reads``,
+    the export's ``read_id``; ``total_read``, the trajectories delivered) and the versions
+    parsed of ready groups (``span_of``'s cache)."""
+
+    def __init__(self, policy: Policy, wall_clock: Callable[[], float]) -> None:
+        self.policy = policy
+        self._wall_clock = wall_clock
+        self.reads = 0  # reads that returned groups: the export's read_id
+        self.total_read = 0
+        self._spans: dict[int, tuple[int, int] | None] = {}  # group versions, by ready seq
+
+    def read(
+        self,
+        tasks: list[TaskBuffer],
+        task_type: str | None,
+        max_items: int | None,
+        mix: Mapping[str, float] | None,
+        one_group_per_instance: bool,
+        store: Store | None,
+    ) -> ReadResult:
+        """A read of ``tasks`` (their timed-out groups finished already): see the module's
+        docstring. ``task_type`` is what the read named (None: every task)."""
+        by_name = {task.task_type: task for task in tasks}
+        stale = self._set_stale_aside(tasks, store)
+        weights = dict(mix) if mix is not None else task_weights(task_type, tasks)
+        mixed: dict[str, Any] | None = None
+        if weights is not None and max_items is not None:
+            groups, mixed = choose_mixed(by_name, weights, max_items, self.policy, one_group_per_instance)
+        else:
+            groups = choose(tasks, max_items, one_group_per_instance)
+        by_task: dict[str, list[int]] = {}
+        for group in groups:
+            by_task.setdefault(group.task_type, []).append(group.seq)
+        for name, seqs in by_task.items():
+            by_name[name].take_ready(seqs)
+        taken = sum(len(group.items) for group in groups)
+        lags = self._account_served(tasks, groups, max_items)
+        meta = meta_info(tasks)
+        if not groups:
+            meta["finished_groups"] = []
+            meta["discarded_groups"] = {}
+            if stale:
+                meta["stale_groups"] = stale
+            return ReadResult([], meta)
+        closed = [(task, task.close_window()) for task in tasks]
+        finished: list[InstanceId] = []
+        discarded: Counter[str] = Counter()
+        for _, window in closed:
+            finished.extend(window.finished)
+            discarded.update(window.discarded)
+        meta["finished_groups"] = finished
+        meta["discarded_groups"] = dict(discarded)
+        meta["returned_groups"] = len(groups)
+        if stale:
+            meta["stale_groups"] = stale
+        if mixed is not None:
+            meta["mix"] = mixed
+        if self.policy.version is not None:
+            meta["policy_version"] = self.policy.version
+            if lags:
+                meta["version_lag"] = {"min": min(lags), "max": max(lags)}
+        served_at = self._wall_clock()
+        for group in groups:
+            by_name[group.task_type].record_served(group, served_at)
+        self.total_read += taken
+        self.reads += 1
+        if store is not None:
+            wall = self._wall_clock()
+            header: dict[str, Any] = {"e": "read", "t": task_type, "seqs": [group.seq for group in groups]}
+            if task_type is None:  # which task each group came from: a read may pass groups over
+                header["ts"] = [group.task_type for group in groups]
+            read_id = self.reads
+            store.read(
+                encode({**header, "at": wall, "id": read_id}),
+                lambda: export_rows(groups, wall, read_id),
+                lambda: self._unread(groups, taken, closed),
+            )
+        return ReadResult(groups, meta)
+
+    def _set_stale_aside(self, tasks: list[TaskBuffer], store: Store | None) -> dict[str, int]:
+        """Take every ready group past its task's ``max_staleness`` off the queue (kept as a
+        ``stale`` record)."""
+        counts: dict[str, int] = {}
+        for task in tasks:
+            seqs = stale_groups(task, self.policy, self._spans)
+            if not seqs:
+                continue
+            task.drop_ready(seqs, STALE)
+            for seq in seqs:
+                self._spans.pop(seq, None)
+            counts[task.task_type] = len(seqs)
+            self.policy.count_stale(task.task_type, len(seqs))
+            if store is not None:
+                store.append(encode({"e": "stale", "t": task.task_type, "seqs": seqs}))
+        if counts:
+            self.policy.notify()
+        return counts
+
+    def _lag(self, group: ReadyGroup) -> int | None:
+        if self.policy.version is None:
+            return None
+        return self.policy.lag_of(span_of(group, self._spans))
+
+    def _account_served(
+        self, tasks: list[TaskBuffer], groups: list[ReadyGroup], max_items: int | None
+    ) -> list[int]:
+        """Count what a read served (shares, lags) and tell the admissions about the demand;
+        returns the lags that are known."""
+        lags = []
+        for group in groups:
+            lag = self._lag(group)
+            self._spans.pop(group.seq, None)
+            self.policy.served(group.task_type, len(group.items), lag)
+            if lag is not None:
+                lags.append(lag)
+        for task in tasks:
+            admission = self.policy.admission(task.task_type)
+            if admission is not None and max_items is not None:
+                admission.saw_read(-(-max_items // max(1, task.settings.group_size)))
+        self.policy.notify()
+        return lags
+
+    def _unread(self, groups: list[ReadyGroup], taken: int, closed: list[tuple[TaskBuffer, Window]]) -> None:
+        """Give back the groups of a read the store could not keep (under the buffer's lock,
+        newest read first): they go back to their places in their tasks, never counted as
+        delivered, and the statistics windows it closed are open again: the state a restart
+        would replay."""
+        popped = Counter(group.task_type for group in groups)
+        for task, window in closed:
+            task.reopen_window(window, popped[task.task_type])
+        for task, _ in closed:
+            back = [group for group in groups if group.task_type == task.task_type]
+            if back:
+                task.give_back(back)
+        self.total_read -= taken
+        self.reads -= 1
+
+    # -- a restart -----------------------------------------------------------------------
+
+    def replay_read(
+        self, header: dict[str, Any], covered: list[TaskBuffer], tasks: Mapping[str, TaskBuffer]
+    ) -> None:
+        """Apply a ``read`` record: ``covered`` are the tasks the read named (all for None)."""
+        if header["t"] is None and "ts" not in header:
+            # Recorded before a read could pass groups over: each group it took was a head.
+            for seq in header["seqs"]:
+                task = next(task for task in covered if task.ready and task.ready[0].seq == seq)
+                self.total_read += len(task.take_ready([seq])[0].items)
+        else:
+            names = header.get("ts") or [header["t"]] * len(header["seqs"])
+            by_task: dict[str, list[int]] = {}
+            for name, seq in zip(names, header["seqs"], strict=True):
+                by_task.setdefault(name, []).append(seq)
+            for name, seqs in by_task.items():
+                self.total_read += sum(len(group.items) for group in tasks[name].take_ready(seqs))
+        for task in covered:
+            task.close_window()
+        self.reads = header["id"]
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Take the counters from a snapshot's ``state`` record."""
+        self.total_read, self.reads = state["total_read"], state["reads"]

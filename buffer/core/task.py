@@ -11,10 +11,11 @@ time out are always at its front: a timeout check costs O(groups that expire), n
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
@@ -29,8 +30,8 @@ from buffer.core.pipeline import (
     SetAside,
     process_group,
 )
+from buffer.core.records import Event, encode
 from buffer.core.stats import RewardStats
-from buffer.store.sqlite import Event, encode
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,19 @@ class SetAsideGroup:
     items: list[bytes]
 
 
+@dataclass(frozen=True, slots=True)
+class Window:
+    """A task's statistics since the last read that returned groups: what the next read's
+    ``meta_info`` reports. A read closes it (``close_window``) and gives it back if the read
+    is taken back (``reopen_window``)."""
+
+    stats: RewardStats
+    instances: set[InstanceId]
+    records: list[tuple[InstanceId, Record]]
+    finished: list[InstanceId]
+    discarded: Counter[str]
+
+
 @dataclass(slots=True)
 class Tally:
     """Trajectories held by every task together (open groups and ready ones), kept as each
@@ -104,7 +118,10 @@ class Tally:
 
 
 class TaskBuffer:
-    """The groups of one task type. Not thread-safe: ``RolloutBuffer`` serialises access."""
+    """The groups of one task type. Not thread-safe: ``RolloutBuffer`` serialises access.
+
+    It owns its queues and counters: other modules read them and change them only through
+    its methods, so each count has one place that keeps it right."""
 
     def __init__(
         self,
@@ -183,6 +200,19 @@ class TaskBuffer:
         self.hooks_source = hooks_source or self.task_type
         # A custom meta hook needs the trajectories written since the last read; the default doesn't.
         self._keep_window_records = "get_group_data_meta_info" in hooks.overridden
+
+    def log_to(self, log: Callable[[bytes], None] | None) -> None:
+        """Send the record of every group that finishes from now on to ``log`` (a store's
+        ``append``; None: keep none)."""
+        self.log = log
+
+    def start_job_count(self, finished: Iterable[tuple[InstanceId, int]] = ()) -> None:
+        """Count the groups of each instance that finish from now on (``job_finished``),
+        starting from ``finished``: a job runs for this task."""
+        self.job_finished = Counter(dict(finished))
+
+    def stop_job_count(self) -> None:
+        self.job_finished = None
 
     def add(self, instance_id: InstanceId, record: Record, now: float, *, finish: bool = True) -> None:
         """Add to the instance's open group; finish it when full (unless replaying the
@@ -426,6 +456,31 @@ class TaskBuffer:
             self.finished_instance_ids.append(group.instance_id)
         return taken
 
+    def give_back(self, groups: list[ReadyGroup]) -> None:
+        """Undo ``take_ready`` for ``groups`` (a read that could not be kept): each goes back
+        to its place by ``seq``, waiting again, no longer counted as delivered."""
+        self.ready = deque(heapq.merge(self.ready, groups, key=lambda group: group.seq))
+        for group in groups:
+            self.ready_items += len(group.items)
+            self.delivered_items -= len(group.items)
+            self.delivered_groups -= 1
+
+    def drop_ready(self, seqs: Collection[int], reason: str) -> None:
+        """Take the ready groups ``seqs`` off the queue, counted as discarded for ``reason``
+        (reported with the next read, as a group the pipeline discarded is)."""
+        wanted = set(seqs)
+        kept = []
+        for group in self.ready:
+            if group.seq in wanted:
+                self.ready_items -= len(group.items)
+                self.finished_instance_ids.append(group.instance_id)
+                self.discarded[reason] += 1
+                self.window_discarded[reason] += 1
+            else:
+                kept.append(group)
+        self.ready.clear()
+        self.ready.extend(kept)
+
     def record_served(self, group: ReadyGroup, now: float) -> None:
         """Count the wait of a group a read took (live reads only: a replayed read would
         measure the restart, not the trainer)."""
@@ -450,15 +505,32 @@ class TaskBuffer:
             meta["meta_info_error"] = f"{type(exc).__name__}: {exc}"
         return meta
 
-    def reset_window(self) -> tuple[list[InstanceId], Counter[str]]:
-        """Start a new read window; returns the finished instance ids and discards it held."""
-        finished, discarded = self.finished_instance_ids, self.window_discarded
+    def close_window(self) -> Window:
+        """Start a new statistics window (a read returned groups); returns the one closed."""
+        closed = Window(
+            self.window,
+            self.window_instances,
+            self.window_records,
+            self.finished_instance_ids,
+            self.window_discarded,
+        )
         self.window = RewardStats()
         self.window_instances = set()
         self.window_records = []
         self.finished_instance_ids = []
         self.window_discarded = Counter()
-        return finished, discarded
+        return closed
+
+    def reopen_window(self, closed: Window, popped: int) -> None:
+        """Merge a window ``close_window`` returned back in front of what was gathered since
+        (the read that closed it was taken back); ``popped``: the groups that read took from
+        this task, whose ids ``take_ready`` had added to its finished ids."""
+        self.window = closed.stats.merge(self.window)
+        self.window_instances = closed.instances | self.window_instances
+        self.window_records = closed.records + self.window_records
+        finished = closed.finished[: len(closed.finished) - popped]
+        self.finished_instance_ids = finished + self.finished_instance_ids
+        self.window_discarded = closed.discarded + self.window_discarded
 
     def counters(self) -> dict[str, Any]:
         return {

@@ -3,6 +3,9 @@
 ``Policy`` (one per buffer) holds the version the engines serve and the ``Gate`` every engine
 request of an in-process generator passes; ``Admission`` keeps a generator at most
 ``max_staleness + 1`` reads ahead of the trainer; ``mixing.allocate`` shares a read between tasks.
+
+Plain Python, no HTTP: a generator in another process follows a buffer's policy through its
+own mirror of it, ``buffer.toolkit.remote_policy``, which speaks to the service's routes.
 """
 
 from buffer.policy.admission import Admission

@@ -54,6 +54,7 @@ from buffer.service.security import (
 )
 from buffer.service.services import Services, local_url
 from buffer.service.settings import Settings
+from buffer.store.base import Store
 from buffer.store.sqlite import Journal
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         policy = JobPolicy.from_settings(settings)
         gateway = _gateway(buffer, settings, policy)  # before the restore: it replays the sessions
-        journal = None if settings.data_dir is None else await asyncio.to_thread(_restore, buffer, settings)
+        store = await asyncio.to_thread(_restore, buffer, settings)
         ready = ReadySignal()
         buffer.add_listener(ready.notify)
         job_manager = JobManager(
@@ -91,7 +92,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ray_address=settings.ray_address,
         )
         buffer.write_observers.append(job_manager.leases.observe)
-        if journal is not None:
+        if store is not None:
             await job_manager.resume(registry, enabled=settings.resume_jobs)
         history = History()
         app.state.services = Services(settings, buffer, registry, job_manager, ready, history)
@@ -113,8 +114,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await asyncio.gather(sweeper, return_exceptions=True)
             await job_manager.shutdown()
             await gateway.proxy.aclose()
-            if journal is not None:
-                await asyncio.to_thread(journal.close)
+            if store is not None:
+                await asyncio.to_thread(store.close)
                 logger.info("the buffer is on disk in %s", settings.data_dir)
 
     # /docs is served from vendored files (routes/docs.py), not FastAPI's CDN page; no ReDoc.
@@ -151,21 +152,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-def _restore(buffer: RolloutBuffer, settings: Settings) -> Journal:
-    """Open the data folder, rebuild the buffer from it, and journal every change from now on."""
-    assert settings.data_dir is not None
-    started = time.monotonic()
-    journal = Journal(
+def _open_store(settings: Settings) -> Store | None:
+    """The store the settings ask for: the data folder's (``--data-dir``), or none (nothing
+    survives the process, and nothing is spent keeping it)."""
+    if settings.data_dir is None:
+        return None
+    return Journal(
         settings.data_dir,
         sync=settings.durability == "sync",
         compact_bytes=settings.journal_compact_bytes,
         retention_s=settings.export_retention_hours * 3600,
     )
+
+
+def _restore(buffer: RolloutBuffer, settings: Settings) -> Store | None:
+    """Open the store, rebuild the buffer from it, and keep every change in it from now on."""
+    started = time.monotonic()
+    store = _open_store(settings)
+    if store is None:
+        return None
     try:
-        records = buffer.restore(journal.recover())
-        buffer.attach(journal)
+        records = buffer.restore(store.recover())
+        buffer.attach(store)
     except BaseException:
-        journal.close()
+        store.close()
         raise
     stats = buffer.stats()
     logger.info(
@@ -179,7 +189,7 @@ def _restore(buffer: RolloutBuffer, settings: Settings) -> Journal:
         stats["current_size"],
         len(stats["tasks"]),
     )
-    return journal
+    return store
 
 
 def _gateway(buffer: RolloutBuffer, settings: Settings, policy: JobPolicy) -> Gateway:

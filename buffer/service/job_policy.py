@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 from buffer.errors import InvalidInput
 from buffer.service.security import is_loopback
 from buffer.service.settings import Settings
+from buffer.toolkit.sink import same_service
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,6 @@ class JobPolicy:
             raise InvalidInput.one(field, "must be an http:// or https:// URL with a host")
         if self.engine_hosts is None or parts.hostname.lower() in self.engine_hosts:
             return
-        from buffer.toolkit.sink import same_service  # the toolkit imports the jobs: not at import time
-
         if not same_service(value, service_url):
             raise InvalidInput.one(
                 field, f"host {parts.hostname!r} is not one the service may call (--allowed-engine-hosts)"

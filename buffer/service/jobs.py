@@ -22,8 +22,14 @@ logged with the traceback and kept on the job (its description says only ``where
 happened: no traceback reaches a client), and shutdown cancels and awaits what still runs.
 
 Inline, Python cannot stop a thread, so cancelling a sync generator is cooperative: the job turns
-``cancelled`` at once, and the generator can see ``current_job().cancel_requested`` and
-return. An async generator is cancelled outright.
+``cancelled`` at once, and the generator can see ``current_job().cancel_requested``
+(``buffer.current``) and return. An async generator is cancelled outright.
+
+A ``Job`` is a ``buffer.current.JobContext`` with the service's bookkeeping added (status,
+timings, error, workers): inline, the generator's ``current_job()`` is the job itself, so what
+it reports (``progress``) and what it is told (the cancel) need no copying between two objects,
+while the generator side imports only the ``JobContext`` leaf, never this module. An inline job
+is handed the service's ``LocalSink`` as its ``writer`` and the lease board.
 
 With a data folder, the jobs running when the service stops run again after its restart
 (``resume``), each given in ``data["resume"]`` what it had produced (the buffer's
@@ -55,10 +61,13 @@ from typing import Any, Literal
 from buffer import paths
 from buffer.core.registry import Generator, GeneratorRegistry, where
 from buffer.core.rollout_buffer import RolloutBuffer
+from buffer.current import JobContext, running
 from buffer.errors import InvalidInput, UnknownJob
+from buffer.keys import API_KEY_VARIABLE
+from buffer.lease_terms import lease_settings
 from buffer.service.job_policy import JobPolicy
+from buffer.service.local_sink import LocalSink
 from buffer.workers import ray_worker
-from buffer.workers.leased import lease_settings
 from buffer.workers.leases import LeaseBoard
 from buffer.workers.process import WorkerOutcome, WorkerProcess
 from buffer.workers.ray_worker import RayWorker
@@ -83,13 +92,6 @@ Isolation = Literal["process", "inline"]
 #: A job running at this many crashes of the service in a row is not resumed again.
 MAX_CRASHES = 2
 
-_current_job: contextvars.ContextVar[Job | None] = contextvars.ContextVar("current_job", default=None)
-
-
-def current_job() -> Job | None:
-    """The job whose generator is running in this context, if any."""
-    return _current_job.get()
-
 
 class JobStatus(str, enum.Enum):
     RUNNING = "running"
@@ -98,39 +100,22 @@ class JobStatus(str, enum.Enum):
     CANCELLED = "cancelled"
 
 
-@dataclass(eq=False)
-class Job:
-    id: str
-    task_type: str
-    generator_file: str
-    data: dict[str, Any]
-    written_at_start: int
-    #: The service's buffer and address: a generator in this process writes to it directly.
-    buffer: RolloutBuffer | None = field(default=None, repr=False)
-    buffer_url: str | None = None
-    #: What it may read and call; the service's API key goes only where this allows.
-    policy: JobPolicy | None = field(default=None, repr=False)
-    #: Running in a worker process: its sink writes to ``buffer_url`` over HTTP.
-    in_worker: bool = False
+@dataclass(eq=False, kw_only=True)
+class Job(JobContext):
+    """A job as the service keeps it: the generator's ``JobContext`` and what only the service
+    reads (the fields below are keyword-only: they follow the context's)."""
+
+    #: The task's count of written trajectories when the job started (``counters.written``).
+    written_at_start: int = 0
     status: JobStatus = JobStatus.RUNNING
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
     error: str | None = None
     traceback: str | None = None  # for the log only
     where: str | None = None  # the innermost frame of the generator's code
-    progress: dict[str, Any] = field(default_factory=dict)
     workers: list[WorkerProcess | RayWorker] = field(default_factory=list, repr=False)
     restarts: int = 0  # of its workers, after one was lost
-    #: The service's lease board, for a generator running in the service's own process.
-    lease_board: LeaseBoard | None = field(default=None, repr=False)
-    #: Tasks its generator leaves running until the run ends (the leases' heartbeat).
-    background: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
-    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
-
-    @property
-    def cancel_requested(self) -> bool:
-        return self._cancel.is_set()
 
     @property
     def done(self) -> bool:
@@ -186,6 +171,8 @@ class JobManager:
         self._buffer_url = buffer_url
         self.policy = policy or JobPolicy(input_roots=(Path.cwd(),))
         self._jobs: OrderedDict[str, Job] = OrderedDict()
+        #: What an inline job's generator writes with when it names this service.
+        self._writer = LocalSink(buffer)
         self._ids = itertools.count(1)
         self._keep = keep
         self._stopping = False
@@ -291,10 +278,9 @@ class JobManager:
             task_type=task_type,
             generator_file=generator_file,
             data=data,
-            written_at_start=self._buffer.written(task_type),
-            buffer=self._buffer,
             buffer_url=self._buffer_url,
-            policy=self.policy,
+            api_key_hosts=self.policy.api_key_hosts,
+            written_at_start=self._buffer.written(task_type),
         )
         self._jobs[job.id] = job
         self._forget_old()
@@ -356,12 +342,12 @@ class JobManager:
                 index=index,
                 count=count,
                 log_level=self._log_level,
-                **WorkerSpec.policy_fields(self.policy),
+                api_key_hosts=tuple(sorted(self.policy.api_key_hosts)),
             )
             worker: WorkerProcess | RayWorker
             if ray_address:
-                key = self._worker_env.get("ROLLOUT_BUFFER_API_KEY")
-                env = {"ROLLOUT_BUFFER_API_KEY": key} if key and self._api_key else {}
+                key = self._worker_env.get(API_KEY_VARIABLE)
+                env = {API_KEY_VARIABLE: key} if key and self._api_key else {}
                 worker = RayWorker(spec, str(ray_address), env)
             else:
                 worker = WorkerProcess(spec, env=self._worker_env)
@@ -435,8 +421,13 @@ class JobManager:
         await asyncio.gather(*(worker.stop(self.grace_s) for worker in job.workers))
 
     async def _run(self, job: Job, generator: Generator) -> None:
-        token = _current_job.set(job)
-        # In this process the toolkit claims from the board itself (``leased.BoardLeases``).
+        with running(job):
+            await self._run_inline(job, generator)
+
+    async def _run_inline(self, job: Job, generator: Generator) -> None:
+        # In this process the toolkit writes to the buffer and claims from the board itself
+        # (``buffer.toolkit.leased.BoardLeases``).
+        job.writer = self._writer
         opened = self.leases.open(job.task_type)
         job.lease_board = self.leases
         ttl_s = float(job.data.get("lease_ttl_s", DEFAULT_LEASE_TTL_S))
@@ -467,7 +458,6 @@ class JobManager:
                     task.get_loop().call_soon_threadsafe(task.cancel)
             await asyncio.gather(*(t for t in job.background if t.get_loop() is loop), return_exceptions=True)
             self.leases.close(job.task_type, opened)
-            _current_job.reset(token)
 
     def _finish(
         self,
@@ -513,7 +503,7 @@ class JobManager:
         job = self.get(job_id)
         if job.done:
             return job
-        job._cancel.set()
+        job.request_cancel()
         self._finish(job, JobStatus.CANCELLED)
         if self.isolation == "process":
             # Every worker's group has gone before this returns: nothing writes after a cancel.
@@ -573,7 +563,7 @@ def _worker_env(api_key: str | None) -> dict[str, str]:
     root = str(paths.ROOT)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     if api_key:
-        env["ROLLOUT_BUFFER_API_KEY"] = api_key
+        env[API_KEY_VARIABLE] = api_key
     return env
 
 

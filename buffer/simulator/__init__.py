@@ -9,19 +9,28 @@ text with ``continue_final_message``, or from token ids on ``/generate`` and
 Run it with ``python -m buffer.simulator --port 30000``; ``--help`` lists the options. It needs
 the ``sim`` extra. It imports nothing of the service.
 
-    config.py        SimConfig: the flags, and the latency distribution
-    tokenizer.py     the built-in tokenizer and chat templates; ``python -m ...tokenizer DIR``
-    model.py         SimModel: rendering prompts, encoding and decoding, the reply a prompt ends in
-    conversation.py  a rendered prompt read back into messages; the model's output parsed
-    protocol.py      the request models and the error bodies
     arithmetic.py    finding and solving the question (an AST walk, never eval)
+    conversation.py  a rendered prompt read back into messages; the model's output parsed
+    model.py         SimModel: rendering prompts, encoding and decoding, the reply a prompt ends in
     replies.py       what the model says, as token ids: drafts, stops, truncation, aborts, logprobs
-    engines.py       where vLLM and SGLang put ids, logprobs, reasoning and the rest
+    tokenizer.py     the built-in tokenizer and chat templates; ``python -m ...tokenizer DIR``
+    protocol.py      the request models and the error bodies
+    shapes.py        the answer pieces both engines write alike (logprobs, usage, meta_info)
+    engines.py       DIALECTS: the engines imitated (vLLM, SGLang), where each puts what
+    config.py        SimConfig: the flags, and the latency distribution
+    prompts.py       a request's prompt as the model reads it, kept for a group's other samples
     streaming.py     the SSE chunks of ``stream=true``
+    stats.py         the counters of GET /stats
     outage.py        an outage started at run time (POST /outage): 503s or dropped connections
-    app.py           create_sim_app(config): routes, faults, latency, /stats, /outage
+    control.py       SGLang's pause, continue and weight-update routes
+    server.py        Simulator: the state, and every generation request's path (faults, latency)
+    chat.py          POST /v1/chat/completions
+    completions.py   the token routes: POST /v1/completions and POST /generate
     front.py         SimApp: the generation routes answered before FastAPI's stack
+    app.py           create_sim_app(config): the routes
     cli.py           main(argv): flags, logging, uvicorn
+
+Each module imports only modules above it in this list.
 """
 
 from buffer.simulator.app import create_sim_app

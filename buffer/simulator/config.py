@@ -9,8 +9,9 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, CliImplicitFlag, SettingsConfigDict
 
+from buffer.simulator.engines import Engine
+
 LatencyDistribution = Literal["fixed", "uniform", "exponential", "lognormal"]
-Engine = Literal["vllm", "sglang"]
 
 
 class SimConfig(BaseSettings):

@@ -16,14 +16,11 @@ import asyncio
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 from starlette.responses import JSONResponse, Response
-
-if TYPE_CHECKING:
-    from buffer.simulator.app import Simulator
 
 _A = TypeVar("_A")
 
@@ -115,7 +112,15 @@ def _wake(sleeping: asyncio.Future[bool]) -> None:
         sleeping.set_result(False)
 
 
-def install_control(app: FastAPI, sim: Simulator) -> None:
+class Controlled(Protocol):
+    """What the control routes act on (the simulator, ``server.Simulator``): its pause state
+    and the weight version it reports."""
+
+    control: Control
+    weight_version: str
+
+
+def install_control(app: FastAPI, sim: Controlled) -> None:
     """Add the control routes to the simulator ``app``."""
     control = sim.control
 

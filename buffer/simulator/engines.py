@@ -1,171 +1,207 @@
-"""The engines' answer shapes: where vLLM and SGLang put token ids, logprobs and the rest.
+"""The engines the simulator imitates (``--engine``), by name, in one table: ``DIALECTS``.
 
-``--engine vllm`` or ``--engine sglang`` (the default) picks which engine the simulator imitates:
+Every route is served whichever engine is imitated (``/generate`` is SGLang's and
+``/v1/completions`` vLLM's, and ``shapes.py`` writes them). What the engine changes is a chat
+answer and an error, one class per engine:
 
-- chat completions: vLLM puts ``prompt_token_ids`` at the top level and ``token_ids`` in the
-  choice (with ``return_token_ids``), the reasoning in ``message.reasoning`` and its older name
-  ``reasoning_content``, and the matched stop in ``stop_reason``. SGLang puts
-  ``prompt_token_ids`` (``return_prompt_token_ids``), ``token_ids`` (``return_token_ids``) and
-  ``meta_info`` (``return_meta_info``) in the choice, the reasoning in ``reasoning_content``, the
-  matched stop (the end-of-turn id, or the string) in ``matched_stop``, and
-  ``metadata.weight_version`` at the top level;
-- vLLM's ``/v1/completions``: ``prompt_token_ids`` and ``token_ids`` in the choice, logprobs as
-  ``token_logprobs``; SGLang's ``/generate``: ``text``, ``output_ids`` and ``meta_info``
-  (``finish_reason`` as an object, ``output_token_logprobs`` as ``[logprob, id, null]``).
+- vLLM puts ``prompt_token_ids`` at the top level and ``token_ids`` in the choice (with
+  ``return_token_ids``), the reasoning in ``message.reasoning`` and its older name
+  ``reasoning_content``, and the matched stop in ``stop_reason``; it answers an unknown model
+  with a 404 and errors as ``{"error": {...}}``, and refuses ``continue_final_message`` with
+  ``add_generation_prompt``.
+- SGLang puts ``prompt_token_ids`` (``return_prompt_token_ids``), ``token_ids``
+  (``return_token_ids``) and ``meta_info`` (``return_meta_info``) in the choice, the reasoning
+  in ``reasoning_content``, the matched stop (the end-of-turn id, or the string) in
+  ``matched_stop``, ``metadata.weight_version`` at the top level and an ``index`` in each tool
+  call; it serves any model name, answers errors flat (``{"object": "error", ...}``), and
+  refuses the ``return_*`` fields with ``stream``.
 
-The logprobs of a chat choice have one entry per output id, the end-of-turn token included.
+Adding an engine dialect: write one ``Dialect`` subclass here with what the engine does
+differently (the base class is what both engines above share), and add an instance to
+``DIALECTS``; ``--engine`` accepts its name from then on (``Engine``). The simulator stands
+alone: it keeps its own copy of each engine's shapes, which the toolkit's dialect table
+(``buffer.toolkit.engines``) is tested against.
 """
 
 from __future__ import annotations
 
-import json
-import random
-import time
-import uuid
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from buffer.simulator.conversation import Output
-from buffer.simulator.model import SimModel
+from buffer.simulator.protocol import ChatRequest, flat_error_body
 from buffer.simulator.replies import Generation
-
-Engine = Literal["vllm", "sglang"]
-
-
-@dataclass(frozen=True, slots=True)
-class ChatChoice:
-    """One finished chat choice: what was sampled, and how the engine's parsers read it."""
-
-    generation: Generation
-    output: Output
-    call_ids: tuple[str, ...]
-
-    @property
-    def finish_reason(self) -> str:
-        if self.output.tool_calls and self.generation.finish_reason == "stop":
-            return "tool_calls"
-        return self.generation.finish_reason
+from buffer.simulator.shapes import ChatChoice, meta_info, stop_reason, tool_calls_body
 
 
-def new_call_ids(output: Output, rng: random.Random) -> tuple[str, ...]:
-    return tuple(f"call_{rng.getrandbits(64):016x}" for _ in output.tool_calls)
+class Dialect:
+    """Where one engine puts what in a chat answer and an error; the base is what all share."""
+
+    name: ClassVar[str]
+    #: ``error.type`` of a request whose body does not validate.
+    invalid_request_type: ClassVar[str] = "BadRequestError"
+
+    def error_body(self, message: str, error_type: str, status: int, param: str | None) -> dict[str, Any]:
+        """OpenAI's nested error shape, with the status as its code."""
+        return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+    def refuses_model(self, model: str, served: str) -> bool:
+        """Whether a request naming ``model`` is answered 404 (this server serves ``served``)."""
+        return False
+
+    def chat_refusal(self, request: ChatRequest) -> str | None:
+        """Why the engine refuses this chat request with a 400, or None."""
+        return None
+
+    def message(self, choice: ChatChoice) -> dict[str, Any]:
+        """A chat choice's ``message``."""
+        message: dict[str, Any] = {"role": "assistant", "content": choice.output.content}
+        message.update(self.reasoning_fields(choice.output.reasoning))
+        calls = self.tool_calls(choice)
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+    def reasoning_fields(self, reasoning: str | None) -> dict[str, Any]:
+        """The reasoning fields of a ``message``."""
+        return {"reasoning_content": reasoning}
+
+    def reasoning_delta(self, reasoning: str) -> dict[str, Any]:
+        """The reasoning fields of a streamed chunk's delta."""
+        return {"reasoning_content": reasoning}
+
+    def tool_calls(self, choice: ChatChoice) -> list[dict[str, Any]]:
+        return tool_calls_body(choice)
+
+    def choice_fields(
+        self,
+        request: ChatRequest,
+        generation: Generation,
+        prompt_ids: list[int],
+        eos_id: int,
+        weight_version: str,
+        started: float,
+    ) -> dict[str, Any]:
+        """The fields of a chat choice after its ``finish_reason``."""
+        return {}
+
+    def answer_fields(
+        self, request: ChatRequest, prompt_ids: list[int], weight_version: str
+    ) -> dict[str, Any]:
+        """The fields of a chat answer after its ``usage``."""
+        return {}
+
+    def stream_prompt_ids(self, request: ChatRequest, prompt_ids: list[int]) -> list[int] | None:
+        """The prompt's ids a streamed answer sends in its first chunk (then each chunk's ids), or None."""
+        return None
+
+    def stop_field(self, generation: Generation, eos_id: int) -> dict[str, Any]:
+        """What the last chunk of a streamed choice says of the stop it matched."""
+        return {}
 
 
-def tool_calls_body(engine: Engine, choice: ChatChoice) -> list[dict[str, Any]]:
-    calls = []
-    for index, (call, call_id) in enumerate(zip(choice.output.tool_calls, choice.call_ids, strict=True)):
-        body: dict[str, Any] = {
-            "id": call_id,
-            "type": "function",
-            "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
-        }
-        if engine == "sglang":
-            body["index"] = index
-        calls.append(body)
-    return calls
+class VLLM(Dialect):
+    name = "vllm"
+
+    def refuses_model(self, model: str, served: str) -> bool:
+        return bool(model) and model != served
+
+    def chat_refusal(self, request: ChatRequest) -> str | None:
+        if request.continue_final_message and request.add_generation_prompt:
+            return "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        return None
+
+    def reasoning_fields(self, reasoning: str | None) -> dict[str, Any]:
+        return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+    def reasoning_delta(self, reasoning: str) -> dict[str, Any]:
+        return {"reasoning_content": reasoning, "reasoning": reasoning}
+
+    def choice_fields(
+        self,
+        request: ChatRequest,
+        generation: Generation,
+        prompt_ids: list[int],
+        eos_id: int,
+        weight_version: str,
+        started: float,
+    ) -> dict[str, Any]:
+        fields: dict[str, Any] = {"stop_reason": stop_reason(generation, eos_id)}
+        if request.return_token_ids:
+            fields["token_ids"] = generation.ids
+        return fields
+
+    def answer_fields(
+        self, request: ChatRequest, prompt_ids: list[int], weight_version: str
+    ) -> dict[str, Any]:
+        return {"prompt_token_ids": prompt_ids} if request.return_token_ids else {}
+
+    def stream_prompt_ids(self, request: ChatRequest, prompt_ids: list[int]) -> list[int] | None:
+        return prompt_ids if request.return_token_ids else None
+
+    def stop_field(self, generation: Generation, eos_id: int) -> dict[str, Any]:
+        return {"stop_reason": stop_reason(generation, eos_id)}
 
 
-def message_body(engine: Engine, choice: ChatChoice) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": choice.output.content}
-    if engine == "vllm":
-        message["reasoning"] = choice.output.reasoning
-    message["reasoning_content"] = choice.output.reasoning
-    calls = tool_calls_body(engine, choice)
-    if calls or engine == "sglang":
-        message["tool_calls"] = calls or None
-    return message
+class SGLang(Dialect):
+    name = "sglang"
+    invalid_request_type = "invalid_request_error"
+
+    def error_body(self, message: str, error_type: str, status: int, param: str | None) -> dict[str, Any]:
+        return flat_error_body(message, error_type, status, param)
+
+    def chat_refusal(self, request: ChatRequest) -> str | None:
+        if request.stream and (
+            request.return_prompt_token_ids or request.return_token_ids or request.return_meta_info
+        ):
+            return (
+                "return_prompt_token_ids, return_token_ids and return_meta_info are not supported with stream"
+            )
+        return None
+
+    def message(self, choice: ChatChoice) -> dict[str, Any]:
+        message = super().message(choice)
+        message.setdefault("tool_calls", None)  # null when there are none
+        return message
+
+    def tool_calls(self, choice: ChatChoice) -> list[dict[str, Any]]:
+        calls = tool_calls_body(choice)
+        for index, call in enumerate(calls):
+            call["index"] = index
+        return calls
+
+    def choice_fields(
+        self,
+        request: ChatRequest,
+        generation: Generation,
+        prompt_ids: list[int],
+        eos_id: int,
+        weight_version: str,
+        started: float,
+    ) -> dict[str, Any]:
+        fields: dict[str, Any] = {"matched_stop": generation.matched_stop}
+        if request.return_prompt_token_ids:
+            fields["prompt_token_ids"] = prompt_ids
+        if request.return_token_ids:
+            fields["token_ids"] = generation.ids
+        if request.return_meta_info:
+            fields["meta_info"] = meta_info(
+                generation, len(prompt_ids), weight_version, request.logprobs, started
+            )
+        return fields
+
+    def answer_fields(
+        self, request: ChatRequest, prompt_ids: list[int], weight_version: str
+    ) -> dict[str, Any]:
+        return {"metadata": {"weight_version": weight_version}}
+
+    def stop_field(self, generation: Generation, eos_id: int) -> dict[str, Any]:
+        return {"matched_stop": generation.matched_stop}
 
 
-def chat_logprobs(model: SimModel, ids: list[int], logprobs: list[float], top: int) -> dict[str, Any]:
-    """``choices[i].logprobs``: one entry per output id, with ``top`` made-up alternatives."""
-    texts, token_bytes = model.token_text, model.token_bytes
-    if not top:  # what a capture asks for: no alternatives
-        return {
-            "content": [
-                {"token": texts[token], "logprob": logprob, "bytes": token_bytes[token], "top_logprobs": []}
-                for token, logprob in zip(ids, logprobs, strict=True)
-            ]
-        }
-    content = []
-    for token, logprob in zip(ids, logprobs, strict=True):
-        entry = _chat_entry(model, token, logprob)
-        alternatives = [entry]
-        for rank in range(1, top):
-            alternatives.append(_chat_entry(model, (token + rank) % model.vocab_size, logprob - rank))
-        content.append({**entry, "top_logprobs": alternatives[:top]})
-    return {"content": content}
+#: The engines by name, in the order ``--help`` lists them.
+DIALECTS: dict[str, Dialect] = {entry.name: entry for entry in (VLLM(), SGLang())}
 
-
-def _chat_entry(model: SimModel, token: int, logprob: float) -> dict[str, Any]:
-    return {"token": model.token_text[token], "logprob": logprob, "bytes": model.token_bytes[token]}
-
-
-def sglang_finish_reason(generation: Generation) -> dict[str, Any]:
-    if generation.finish_reason == "length":
-        return {"type": "length", "length": len(generation.ids)}
-    if generation.finish_reason == "abort":
-        return {"type": "abort", "message": "simulated abort", "status_code": None, "err_type": None}
-    return {"type": "stop", "matched": generation.matched_stop}
-
-
-def meta_info(
-    generation: Generation, prompt_tokens: int, weight_version: str, logprobs: bool, started: float
-) -> dict[str, Any]:
-    """SGLang's ``meta_info`` of one generation (``/generate``, and chat's ``return_meta_info``)."""
-    info: dict[str, Any] = {
-        "id": uuid.uuid4().hex,
-        "finish_reason": sglang_finish_reason(generation),
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": len(generation.ids),
-        "cached_tokens": 0,
-        "weight_version": weight_version,
-    }
-    if logprobs:
-        info["output_token_logprobs"] = [
-            [logprob, token, None] for token, logprob in zip(generation.ids, generation.logprobs, strict=True)
-        ]
-    info["e2e_latency"] = round(time.monotonic() - started, 6)
-    return info
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def stop_reason(generation: Generation, eos_id: int) -> int | str | None:
-    """vLLM's ``stop_reason``: the stop string or stop token id matched; None at the end of turn."""
-    matched = generation.matched_stop
-    return None if matched == eos_id else matched
-
-
-def output_text(model: SimModel, generation: Generation, skip_special_tokens: bool, keep_stop: bool) -> str:
-    """The decoded output, without the matched stop string unless ``keep_stop``."""
-    text = model.decode(generation.ids, skip_special_tokens=skip_special_tokens)
-    if generation.stop_at is not None and not keep_stop:
-        text = text[: generation.stop_at]
-    return text
-
-
-def completion_logprobs(model: SimModel, generation: Generation, offset: int = 0) -> dict[str, Any]:
-    """vLLM's completions ``logprobs``: tokens, token_logprobs, text_offset, top_logprobs."""
-    tokens = [model.token_text[token] for token in generation.ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    return {
-        "text_offset": offsets,
-        "token_logprobs": list(generation.logprobs),
-        "tokens": tokens,
-        "top_logprobs": [
-            {token: logprob} for token, logprob in zip(tokens, generation.logprobs, strict=True)
-        ],
-    }
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+if TYPE_CHECKING:
+    Engine = str
+else:
+    #: The names ``--engine`` accepts: those of ``DIALECTS`` (a ``Literal`` of them, for the flags' choices).
+    Engine = Literal[tuple(DIALECTS)]

@@ -20,18 +20,17 @@ from typing import Any
 import orjson
 
 from buffer.simulator.conversation import Output, parse_output
-from buffer.simulator.engines import (
+from buffer.simulator.engines import Dialect
+from buffer.simulator.model import SimModel
+from buffer.simulator.replies import Generation
+from buffer.simulator.shapes import (
     ChatChoice,
-    Engine,
     chat_logprobs,
     completion_logprobs,
     meta_info,
     stop_reason,
-    tool_calls_body,
     usage,
 )
-from buffer.simulator.model import SimModel
-from buffer.simulator.replies import Generation
 
 Chunk = tuple[dict[str, Any], int]
 
@@ -42,7 +41,7 @@ def sse(payload: dict[str, Any] | str) -> bytes:
 
 
 def chat_chunks(
-    engine: Engine,
+    dialect: Dialect,
     model: SimModel,
     head: dict[str, Any],
     choices: list[ChatChoice],
@@ -70,7 +69,7 @@ def chat_chunks(
             last = position == len(generation.ids) - 1
             raw += "" if token in model.special_ids else model.token_text[token]
             now = choice.output if last else _partial(parse_output(raw, thinking))
-            delta = _delta(engine, sent, now, choice)
+            delta = _delta(dialect, sent, now, choice)
             sent = now
             fields: dict[str, Any] = {}
             if logprobs:
@@ -79,7 +78,7 @@ def chat_chunks(
                 fields["token_ids"] = [token]
             if last:
                 fields["finish_reason"] = choice.finish_reason
-                fields.update(_stop_field(engine, generation, model.eos_id))
+                fields.update(dialect.stop_field(generation, model.eos_id))
             yield chunk(index, delta, **fields), 1
         if not generation.ids:
             yield chunk(index, {}, finish_reason=choice.finish_reason), 0
@@ -105,30 +104,22 @@ def _partial(output: Output) -> Output:
     return Output(reasoning, content, output.tool_calls)
 
 
-def _delta(engine: Engine, sent: Output, now: Output, choice: ChatChoice) -> dict[str, Any]:
+def _delta(dialect: Dialect, sent: Output, now: Output, choice: ChatChoice) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     reasoning = _extension(sent.reasoning, now.reasoning)
     if reasoning:
-        delta["reasoning_content"] = reasoning
-        if engine == "vllm":
-            delta["reasoning"] = reasoning
+        delta.update(dialect.reasoning_delta(reasoning))
     content = _extension(sent.content, now.content)
     if content:
         delta["content"] = content
     if now.tool_calls and not sent.tool_calls:
-        delta["tool_calls"] = tool_calls_body(engine, choice)
+        delta["tool_calls"] = dialect.tool_calls(choice)
     return delta
 
 
 def _extension(before: str | None, after: str | None) -> str:
     before = before or ""
     return after[len(before) :] if after and after.startswith(before) else ""
-
-
-def _stop_field(engine: Engine, generation: Generation, eos_id: int) -> dict[str, Any]:
-    if engine == "vllm":
-        return {"stop_reason": stop_reason(generation, eos_id)}
-    return {"matched_stop": generation.matched_stop}
 
 
 def completion_chunks(

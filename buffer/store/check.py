@@ -23,8 +23,10 @@ from typing import Any
 
 import orjson
 
+from buffer.core.records import Event
 from buffer.core.rollout_buffer import RolloutBuffer
-from buffer.store.sqlite import DATABASE, Event, Journal, JournalCorrupt, _lock, connect
+from buffer.store.schema import DATABASE, DELIVERED, JournalCorrupt, connect, lock_folder
+from buffer.store.sqlite import Journal
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +116,7 @@ def check(directory: Path, *, repair: bool = False) -> Report:
     if not database.exists():
         report.problems.append("no database (nothing to check)")
         return report
-    lock = _lock(directory / "LOCK")
+    lock = lock_folder(directory / "LOCK")
     try:
         db = connect(database, readonly=True)
         try:
@@ -169,11 +171,7 @@ def _rebuild(directory: Path, events: list[Event], exports: list[tuple[Any, ...]
         db = connect(journal.database)
         try:
             db.execute("BEGIN IMMEDIATE")
-            db.executemany(
-                "INSERT INTO delivered (read_id, delivered_at, task_type, instance_id, trajectory) "
-                "VALUES (?, ?, ?, ?, ?)",
-                exports,
-            )
+            db.executemany(f"INSERT INTO {DELIVERED} VALUES (?, ?, ?, ?, ?)", exports)
             db.execute("COMMIT")
         finally:
             db.close()

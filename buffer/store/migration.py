@@ -4,9 +4,9 @@
     journal/00000007.log          the changes since (segments 7, 8, ...)
     delivered/2026-11-21T14.jsonl the export, one file an hour
 
-A record there was ``<u32 length><u32 CRC-32>`` and the same body ``encode`` makes today, so
-its events go into the database as they are, in order: the newest snapshot, then every
-segment after it; the export lines become rows of ``delivered``. One transaction writes them
+A record there was ``<u32 length><u32 CRC-32>`` and the same body ``buffer.core.records.encode``
+makes today, so its events go into the database as they are, in order: the newest snapshot,
+then every segment after it; the export lines become rows of ``delivered``. One transaction writes them
 all with a ``meta`` row naming the origin; only then are the old folders renamed aside
 (``journal.migrated``, ``delivered.migrated``), so a crash at any point either migrates again
 from scratch or finds the migration done and finishes the renaming.
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import orjson
 
-from buffer.store import sqlite as journal
+from buffer.core.records import split
+from buffer.store.schema import DELIVERED, SCHEMA, JournalCorrupt, connect
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def old_events(folder: Path) -> list[bytes]:
         bodies, end, size = read_records(path)
         if end != size:
             if index != len(files) - 1 or path.suffix != ".log":
-                raise journal.JournalCorrupt(f"{path}: unreadable record at byte {end} of {size}")
+                raise JournalCorrupt(f"{path}: unreadable record at byte {end} of {size}")
             logger.warning("%s: leaving out %d bytes of a write that never completed", path, size - end)
         records.extend(bodies)
     return records
@@ -94,9 +95,9 @@ def migrate(directory: Path, database: Path) -> bool:
     old_journal, old_delivered = directory / "journal", directory / "delivered"
     if not old_journal.is_dir() and not old_delivered.is_dir():
         return False
-    db = journal.connect(database)
+    db = connect(database)
     try:
-        db.executescript(journal.SCHEMA)
+        db.executescript(SCHEMA)
         done = db.execute("SELECT value FROM meta WHERE key = 'migrated_from'").fetchone()
         if done is None:
             records = old_events(old_journal) if old_journal.is_dir() else []
@@ -104,13 +105,9 @@ def migrate(directory: Path, database: Path) -> bool:
             db.execute("BEGIN IMMEDIATE")
             db.executemany(
                 "INSERT INTO events VALUES (?, ?, ?)",
-                ((index, *journal.split(record)) for index, record in enumerate(records, 1)),
+                ((index, *split(record)) for index, record in enumerate(records, 1)),
             )
-            db.executemany(
-                "INSERT INTO delivered (read_id, delivered_at, task_type, instance_id, trajectory) "
-                "VALUES (?, ?, ?, ?, ?)",
-                exports,
-            )
+            db.executemany(f"INSERT INTO {DELIVERED} VALUES (?, ?, ?, ?, ?)", exports)
             db.execute(
                 "INSERT INTO meta VALUES ('migrated_from', 'journal/*.log, *.snapshot, delivered/*.jsonl')"
             )

@@ -1,17 +1,10 @@
-"""The buffer on disk: one SQLite database holding every change, a snapshot, and the export.
+"""The SQLite store (``Journal``): every change in one database in the data folder.
 
-    DATA_DIR/
-      LOCK                 flock-ed while a service uses the folder
-      buffer.sqlite3       (with -wal and -shm beside it while open)
-        events(id, header, payload)      the changes since the snapshot, in order, ids dense
-        snapshot(id, header, payload)    the whole state as of the events it replaced
-        delivered(id, read_id, delivered_at, task_type, instance_id, trajectory)   the export
-        meta(key, value)                 the format, the last event id, what the snapshot covers
+The database's tables are drawn in ``schema``; the records are the core's
+(``buffer.core.records``); what a store promises is ``base.Store``.
 
-An event is the buffer's record of one change: a JSON header (``e`` names its kind) and a
-payload (trajectories bytes for bytes as the buffer holds them). The buffer replays them
-through the same code that made the change (``RolloutBuffer._apply``): the tables hold a log,
-never a second copy of the rules.
+The buffer replays the events through the same code that made the change
+(``RolloutBuffer.restore``): the tables hold a log, never a second copy of the rules.
 
 Appends come from the buffer under its lock, so the log's order is the buffer's order, and
 cost a list append. One writer thread commits what has gathered in one transaction (group
@@ -42,112 +35,43 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import fcntl
-import functools
 import logging
 import math
 import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import orjson
 
-from buffer import storable
-from buffer.errors import InvalidInput, StorageFailed
+from buffer.core.records import NOTHING, Event, ExportRow, Snapshotter, split
+from buffer.errors import StorageFailed
+from buffer.store import migration
+from buffer.store.base import Counters, Store
+from buffer.store.schema import (
+    DATABASE,
+    DELIVERED,
+    FORMAT_VERSION,
+    LOG_COLUMNS,
+    SCHEMA,
+    JournalCorrupt,
+    connect,
+    insert,
+    lock_folder,
+)
 
 logger = logging.getLogger(__name__)
 
-DATABASE = "buffer.sqlite3"
-FORMAT_VERSION = 1
 #: How long the writer waits before it tries a failed commit again.
 RETRY_INTERVAL_S = 1.0
 _STAGING_ROWS = 2000
-_WAL_LIMIT_BYTES = 64 * 2**20
-#: The page size of a new database (an existing one keeps its own). A record (a trajectory,
-#: about 2 KB) would take most of a 4 KB page, each written to the WAL by its own syscalls
-#: and copied again at each checkpoint; 16 KB pages hold several, which cut the writer's CPU
-#: per commit. Larger pages cost more than they save: each commit writes whole pages.
-PAGE_SIZE = 16384
-
-_LOG_COLUMNS = "(id INTEGER PRIMARY KEY, header TEXT NOT NULL, payload BLOB NOT NULL)"
-SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS events {_LOG_COLUMNS};
-CREATE TABLE IF NOT EXISTS snapshot {_LOG_COLUMNS};
-CREATE TABLE IF NOT EXISTS delivered (
-    id INTEGER PRIMARY KEY,
-    read_id INTEGER NOT NULL,
-    delivered_at REAL NOT NULL,
-    task_type TEXT NOT NULL,
-    instance_id NOT NULL,
-    trajectory TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS delivered_at ON delivered (delivered_at);
-"""
-
-
-class JournalCorrupt(Exception):
-    """The data folder is damaged: the start-up stops, naming the file and the problem.
-    ``rollout-buffer check DIR --repair`` salvages what can be read."""
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    header: dict[str, Any]
-    payload: bytes = b""
-
-    def parts(self) -> list[bytes]:
-        """The payload parts ``encode`` was given."""
-        lengths = self.header.get("n")
-        if lengths is None:
-            return [self.payload] if self.payload else []
-        parts, start = [], 0
-        for length in lengths:
-            parts.append(self.payload[start : start + length])
-            start += length
-        return parts
-
-
-def encode(header: dict[str, Any], parts: Sequence[bytes] = ()) -> bytes:
-    """One record: the header's JSON, a newline, the payload parts. With more than one part,
-    ``n`` records their lengths.
-
-    orjson writes a non-finite float as ``null``, which would read back as something else
-    (and stop every later start-up): such a header is refused with ``InvalidInput``."""
-    if len(parts) > 1:
-        header = {**header, "n": [len(part) for part in parts]}
-    head = orjson.dumps(header)
-    if b"null" in head:  # cheap: only then look for the float behind it
-        refuse_non_finite(header)
-    return b"".join((head, b"\n", *parts))
-
-
-def refuse_non_finite(value: Any, prefix: str = "") -> None:
-    """Raise ``InvalidInput`` naming the first float in ``value`` that is inf or nan."""
-    where = storable.non_finite_at(value)
-    if where is not None:
-        field = ".".join(str(part) for part in (*([prefix] if prefix else []), *where))
-        raise InvalidInput.one(field, "must be a finite number (the data folder cannot keep inf or nan)")
-
-
-def split(record: bytes) -> tuple[str, memoryview]:
-    """A record's header (as text) and payload, as the tables store them."""
-    newline = record.index(b"\n")
-    return record[:newline].decode(), memoryview(record)[newline + 1 :]
-
-
-#: Called by the compaction thread: under the lock every append is made under, reads
-#: ``position`` and captures the state; returns that position and the state's records
-#: (which may be produced lazily, outside the lock).
-Snapshotter = Callable[[], tuple[int, Iterable[bytes]]]
-
-#: An export row: (read_id, delivered_at, task_type, instance_id, trajectory bytes).
-ExportRow = tuple[int, float, str, Any, bytes]
+#: Export rows read per query: the writer is never held back by a slow export client.
+_EXPORT_PAGE_ROWS = 2000
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,29 +92,12 @@ class _Install:
 
 
 _Entry = bytes | _Read | _Install | None  # None: a read taken back
-#: The event of a position with no change (a read taken back, a compaction): replays to nothing.
-_NOTHING = b'{"e":"nop"}\n'
 
 
-def connect(path: Path, *, sync: bool = True, readonly: bool = False) -> sqlite3.Connection:
-    """A connection in autocommit mode (transactions are explicit), WAL, and the
-    ``synchronous`` level the durability asks for."""
-    if readonly:
-        connection = sqlite3.connect(
-            f"file:{path}?mode=ro", uri=True, isolation_level=None, check_same_thread=False
-        )
-    else:
-        connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    connection.execute("PRAGMA busy_timeout = 60000")
-    if not readonly:
-        connection.execute(f"PRAGMA page_size = {PAGE_SIZE}")  # a new database only
-        connection.execute("PRAGMA journal_mode = WAL")
-        connection.execute(f"PRAGMA synchronous = {'FULL' if sync else 'NORMAL'}")
-        connection.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT_BYTES}")  # after a big compaction
-    return connection
+class Journal(Store):
+    """The store in a data folder (``--data-dir``): ``base.Store`` over one SQLite database,
+    with a writer thread that commits what has gathered (group commit)."""
 
-
-class Journal:
     def __init__(
         self,
         directory: Path,
@@ -209,10 +116,10 @@ class Journal:
         self.compact_bytes = compact_bytes
         self.retention_s = retention_s
         directory.mkdir(parents=True, exist_ok=True)
-        self._lock_file = _lock(directory / "LOCK")
+        self._lock_file = lock_folder(directory / "LOCK")
         self._db: sqlite3.Connection | None = None
         self._cv = threading.Condition(threading.Lock())
-        self._buffer_lock: threading.RLock | Any = threading.RLock()
+        self._buffer_lock: AbstractContextManager[Any] = threading.RLock()
         self._pending: list[_Entry] = []
         self._appended = 0  # the position of the last entry appended, ever
         self._durable = 0
@@ -239,8 +146,6 @@ class Journal:
     def recover(self) -> Iterator[Event]:
         """The events to restore the buffer from: the snapshot, then every event after it.
         Migrates a folder of the former journal files first. Call once, before ``start``."""
-        from buffer.store import migration  # only for start-up
-
         migration.migrate(self.directory, self.database)
         try:
             self._db = connect(self.database, sync=self.sync)
@@ -287,7 +192,9 @@ class Journal:
             yield from rows
             last = rows[-1][0]
 
-    def start(self, snapshotter: Snapshotter | None = None, *, lock: Any = None) -> None:
+    def start(
+        self, snapshotter: Snapshotter | None = None, *, lock: AbstractContextManager[Any] | None = None
+    ) -> None:
         """Start the writer thread. ``lock`` is the one every append is made under: a failed
         commit takes reads back under it."""
         if self._db is None:
@@ -389,7 +296,7 @@ class Journal:
                 record = entry.record
                 exports.extend(entry.rows())
             else:  # a read taken back, a compaction: a placeholder keeps the ids dense
-                record = _NOTHING
+                record = NOTHING
                 if entry is not None:
                     installs.append(entry)
             size += len(record)
@@ -400,7 +307,7 @@ class Journal:
         try:
             insert(db, "events", events)
             if exports:
-                insert(db, _DELIVERED, [(*row[:4], row[4].decode()) for row in exports])
+                insert(db, DELIVERED, [(*row[:4], row[4].decode()) for row in exports])
             installed = [self._install(db, install) for install in installs]
             db.execute("INSERT OR REPLACE INTO meta VALUES ('last_event', ?)", (str(first + len(batch) - 1),))
             if time.monotonic() >= self._next_retention_check:
@@ -490,7 +397,7 @@ class Journal:
         """The failure of a commit, while the writer tries again (None once it succeeds)."""
         return None if self._closing else self._failure
 
-    def counters(self) -> dict[str, Any]:
+    def counters(self) -> Counters:
         return {
             "data_dir": str(self.directory),
             "durability": "sync" if self.sync else "flush",
@@ -541,7 +448,7 @@ class Journal:
         db = connect(self.database, sync=self.sync)
         try:
             db.execute("DROP TABLE IF EXISTS snapshot_next")
-            db.execute(f"CREATE TABLE snapshot_next {_LOG_COLUMNS}")
+            db.execute(f"CREATE TABLE snapshot_next {LOG_COLUMNS}")
             chunk: list[tuple[int, str, memoryview]] = []
             for record in records:
                 rows += 1
@@ -567,6 +474,39 @@ class Journal:
             size / 1e6,
             time.monotonic() - started,
         )
+
+    # -- the export --------------------------------------------------------------------
+
+    def exported(
+        self, since: float | None = None, until: float | None = None, task_type: str | None = None
+    ) -> Iterator[ExportRow]:
+        """The rows of ``delivered`` in ``[since, until)``, oldest first, from a read-only
+        connection of their own, a page of rows per query, so the writer is never held back by
+        a slow client (``sqlite3 DATA_DIR/buffer.sqlite3`` reads them without the service)."""
+        where = ["id > ?"]
+        bounds: list[Any] = []
+        if since is not None:
+            where.append("delivered_at >= ?")
+            bounds.append(since)
+        if until is not None:
+            where.append("delivered_at < ?")
+            bounds.append(until)
+        if task_type is not None:
+            where.append("task_type = ?")
+            bounds.append(task_type)
+        query = (
+            "SELECT id, read_id, delivered_at, task_type, instance_id, trajectory FROM delivered "
+            f"WHERE {' AND '.join(where)} ORDER BY id LIMIT {_EXPORT_PAGE_ROWS}"
+        )
+        connection = connect(self.database, readonly=True)
+        try:
+            last = 0
+            while page := connection.execute(query, (last, *bounds)).fetchall():
+                last = page[-1][0]
+                for _, read_id, at, task, instance_id, trajectory in page:
+                    yield read_id, at, task, instance_id, trajectory.encode()
+        finally:
+            connection.close()
 
     # -- shutdown ----------------------------------------------------------------------
 
@@ -618,30 +558,6 @@ def _insert_staged(db: sqlite3.Connection, rows: list[tuple[int, str, memoryview
         raise
 
 
-#: Rows per INSERT at most (SQLite allows 32766 values in a statement).
-_ROWS_PER_INSERT = 512
-_DELIVERED = "delivered (read_id, delivered_at, task_type, instance_id, trajectory)"
-
-
-def insert(db: sqlite3.Connection, into: str, rows: Sequence[tuple[Any, ...]]) -> None:
-    """Insert ``rows`` in a few multi-row statements, not one step per row (``executemany``):
-    each step lets go of the GIL and takes it back, a handover with the event loop per row.
-    The statements hold a power of two of rows each, so only a few texts are ever prepared
-    (and cached)."""
-    start = 0
-    while start < len(rows):
-        count = min(_ROWS_PER_INSERT, 1 << (len(rows) - start).bit_length() - 1)
-        chunk = rows[start : start + count]
-        db.execute(_insert_sql(into, len(chunk[0]), count), [value for row in chunk for value in row])
-        start += count
-
-
-@functools.cache
-def _insert_sql(into: str, width: int, rows: int) -> str:
-    one = "(" + ", ".join("?" * width) + ")"
-    return f"INSERT INTO {into} VALUES " + ", ".join([one] * rows)
-
-
 def _as_os_error(exc: Exception) -> OSError:
     """What ``StorageFailed`` reports: the OS's error, or SQLite's, or the exception's."""
     if isinstance(exc, OSError):
@@ -659,13 +575,3 @@ def _settle(futures: list[asyncio.Future[None]], error: Exception | None) -> Non
             future.set_result(None)
         else:
             future.set_exception(error)
-
-
-def _lock(path: Path) -> BinaryIO:
-    file = path.open("ab")
-    try:
-        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        file.close()
-        raise RuntimeError(f"{path.parent} is in use by another rollout buffer (it holds {path})") from None
-    return file

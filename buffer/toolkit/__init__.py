@@ -7,6 +7,11 @@ TASK_TYPE = "math"
 async def run_rollout(data):
     async with MathReward() as reward:
         await run_rollouts(data, reward=reward)
+
+What every generator imports, so it pulls in nothing of the service's side: it may import
+``buffer.policy`` (the gate its engine requests pass) and the shared leaves; never the service,
+the store, the workers or the trainer (``.importlinter``). It reaches the job it runs in through
+``buffer.current``: the service hands a job in its own process a writer and its lease board.
 """
 
 from buffer.toolkit.agent import Tool, run_tools, single_turn
@@ -24,7 +29,7 @@ from buffer.toolkit.rewards import (
     extract_boxed,
 )
 from buffer.toolkit.runner import Progress, RolloutSettings, policy_client, run_rollouts
-from buffer.toolkit.sink import HttpSink, LocalSink, open_sink
+from buffer.toolkit.sink import HttpSink, open_sink
 from buffer.toolkit.tito import (
     TemplateError,
     TokenClient,
@@ -46,7 +51,6 @@ __all__ = [
     "GatewaySession",
     "HttpSink",
     "LLMError",
-    "LocalSink",
     "MathReward",
     "MisconfiguredEngine",
     "Plan",

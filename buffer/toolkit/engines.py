@@ -1,6 +1,9 @@
-"""What each engine is asked for and where its answer holds the tokens.
+"""The engines the toolkit talks to, by name, in one table: ``DIALECTS``.
 
-The fields are those of the engines' own code (see the README's "Token capture" table):
+A dialect says what a chat request asks for to get token ids back (``chat_capture``), how it
+continues an aborted answer (``chat_continue``), and where and how a token prompt goes (token
+in, token out: ``tito.TokenClient``). The fields are those of the engines' own code (see the
+README's "Token capture" table):
 
 - vLLM chat (``/v1/chat/completions``): ``return_token_ids`` and ``logprobs`` in; the prompt's
   ids at the top level (``prompt_token_ids``), the sampled ids in the choice (``token_ids``),
@@ -14,6 +17,16 @@ The fields are those of the engines' own code (see the README's "Token capture" 
 - vLLM ``/v1/completions`` with a token prompt: ``prompt`` (ids), ``logprobs: 0`` and
   ``return_token_ids`` in; ``prompt_token_ids``, ``token_ids`` and
   ``logprobs.token_logprobs`` in the choice.
+- ``auto``: a chat request asks in both dialects (an engine ignores the fields it does not
+  know), and a chat answer is read wherever either engine puts the ids (``chat_tokens``); a
+  token prompt goes to SGLang's ``/generate``.
+
+Adding an engine dialect: write one ``Dialect`` subclass here (its name, its chat fields, its
+token route and the readers of its answers) and add an instance to ``DIALECTS``. Its name is
+then accepted wherever an engine is named (``RolloutSettings.engine`` in ``/start_rollout``,
+``ChatClient``, ``TokenClient``, the gateway's proxy): ``Engine`` is the ``Literal`` of the
+table's names. The simulator (``buffer.simulator.engines``) keeps its own copy of the shapes
+it serves, to test this table against.
 
 This module only reads and writes dicts; the HTTP is ``llm.py``'s.
 """
@@ -21,44 +34,15 @@ This module only reads and writes dicts; the HTTP is ``llm.py``'s.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import orjson
 
 from buffer.toolkit.types import TokenCapture
-
-Engine = Literal["auto", "vllm", "sglang"]
-ENGINES: tuple[Engine, ...] = ("auto", "vllm", "sglang")
-
-#: Chat request fields asking for the prompt's ids, the sampled ids and their logprobs. An engine
-#: ignores the fields it does not know, so "auto" asks in both dialects.
-_CHAT_CAPTURE: dict[Engine, dict[str, Any]] = {
-    "vllm": {"logprobs": True, "return_token_ids": True},
-    "sglang": {
-        "logprobs": True,
-        "return_prompt_token_ids": True,
-        "return_token_ids": True,
-        "return_meta_info": True,  # older SGLang has the sampled ids only there
-    },
-    "auto": {"logprobs": True, "return_token_ids": True, "return_prompt_token_ids": True},
-}
-
-#: Chat request fields that continue the final assistant message (an aborted answer, as text).
-#: vLLM refuses ``continue_final_message`` with its default ``add_generation_prompt: true``.
-_CHAT_CONTINUE: dict[Engine, dict[str, Any]] = {
-    "vllm": {"continue_final_message": True, "add_generation_prompt": False},
-    "sglang": {"continue_final_message": True},
-    "auto": {"continue_final_message": True, "add_generation_prompt": False},
-}
-
-
-def chat_capture_fields(engine: Engine) -> dict[str, Any]:
-    return dict(_CHAT_CAPTURE[engine])
-
-
-def chat_continue_fields(engine: Engine) -> dict[str, Any]:
-    return dict(_CHAT_CONTINUE[engine])
 
 
 class AnswerShapeError(ValueError):
@@ -216,6 +200,116 @@ def error_message(body: bytes | str) -> str:
             if isinstance(parsed.get(key), str):
                 return str(parsed[key])[:500]
     return text.strip()[:500]
+
+
+def _fields(**fields: Any) -> Mapping[str, Any]:
+    """Request fields shared by every request of a dialect: read-only."""
+    return MappingProxyType(fields)
+
+
+class Dialect(ABC):
+    """How the toolkit talks to one engine (or, for ``auto``, to either)."""
+
+    name: ClassVar[str]
+    #: Chat request fields asking for the prompt's ids, the sampled ids and their logprobs.
+    chat_capture: ClassVar[Mapping[str, Any]]
+    #: Chat request fields that continue the final assistant message (an aborted answer, as text).
+    chat_continue: ClassVar[Mapping[str, Any]]
+    #: The token route: its path, from the server's root or (``token_path_under_v1``) under ``/v1``.
+    token_path: ClassVar[str]
+    token_path_under_v1: ClassVar[bool]
+
+    @abstractmethod
+    def token_request(
+        self,
+        model: str,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        sampling: dict[str, Any],
+        seed: int | None,
+    ) -> dict[str, Any]:
+        """The body of a token prompt, with the OpenAI-style sampling fields in the engine's names."""
+
+    @abstractmethod
+    def read_tokens(self, answer: dict[str, Any]) -> Generated:
+        """The token route's answer; ``AnswerShapeError`` if it lacks what was asked for."""
+
+
+class SGLang(Dialect):
+    name = "sglang"
+    chat_capture = _fields(
+        logprobs=True,
+        return_prompt_token_ids=True,
+        return_token_ids=True,
+        return_meta_info=True,  # older SGLang has the sampled ids only there
+    )
+    chat_continue = _fields(continue_final_message=True)
+    token_path = "/generate"
+    token_path_under_v1 = False
+
+    def token_request(
+        self,
+        model: str,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        sampling: dict[str, Any],
+        seed: int | None,
+    ) -> dict[str, Any]:
+        return generate_request(prompt_ids, max_tokens, sampling, seed)
+
+    def read_tokens(self, answer: dict[str, Any]) -> Generated:
+        return read_generate(answer)
+
+
+class VLLM(Dialect):
+    name = "vllm"
+    chat_capture = _fields(logprobs=True, return_token_ids=True)
+    # vLLM refuses ``continue_final_message`` with its default ``add_generation_prompt: true``.
+    chat_continue = _fields(continue_final_message=True, add_generation_prompt=False)
+    token_path = "/completions"
+    token_path_under_v1 = True
+
+    def token_request(
+        self,
+        model: str,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        sampling: dict[str, Any],
+        seed: int | None,
+    ) -> dict[str, Any]:
+        return completions_request(model, prompt_ids, max_tokens, sampling, seed)
+
+    def read_tokens(self, answer: dict[str, Any]) -> Generated:
+        return read_completions(answer)
+
+
+class Auto(SGLang):
+    """Either engine: chat fields of both; token prompts on SGLang's ``/generate``."""
+
+    name = "auto"
+    chat_capture = _fields(logprobs=True, return_token_ids=True, return_prompt_token_ids=True)
+    chat_continue = _fields(continue_final_message=True, add_generation_prompt=False)
+
+
+#: The dialects by name, in the order the API lists them (``auto`` first: the default).
+DIALECTS: dict[str, Dialect] = {entry.name: entry for entry in (Auto(), VLLM(), SGLang())}
+
+if TYPE_CHECKING:
+    Engine = str
+else:
+    #: An engine's name as the API takes it: one of ``DIALECTS`` (validated, and listed in the schema).
+    Engine = Literal[tuple(DIALECTS)]
+
+#: The names ``Engine`` accepts.
+ENGINES: tuple[str, ...] = tuple(DIALECTS)
+
+
+def dialect(engine: str) -> Dialect:
+    """The dialect named ``engine``; ``ValueError`` naming the known ones for any other name."""
+    try:
+        return DIALECTS[engine]
+    except KeyError:
+        raise ValueError(f"unknown engine {engine!r}: one of {', '.join(DIALECTS)}") from None
 
 
 _BUDGET_KEYS = frozenset({"max_tokens", "max_completion_tokens", "max_new_tokens"})

@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
-from buffer.service.jobs import current_job
-from buffer.trainer.client.base import key_or_env
+from buffer.current import current_job
+from buffer.keys import key_or_env
 
 logger = logging.getLogger(__name__)
 

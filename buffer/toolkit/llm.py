@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -48,14 +48,7 @@ from tenacity import (
 from tenacity.stop import stop_base
 
 from buffer.policy.gate import Gate
-from buffer.toolkit.engines import (
-    AnswerShapeError,
-    Engine,
-    chat_capture_fields,
-    chat_continue_fields,
-    chat_tokens,
-    error_message,
-)
+from buffer.toolkit.engines import AnswerShapeError, Engine, chat_tokens, dialect, error_message
 from buffer.toolkit.http11 import Http11Transport
 from buffer.toolkit.pool import EnginePool, routing_key
 from buffer.toolkit.transport import (
@@ -330,6 +323,7 @@ class ChatClient(EngineClient):
         chat_template_kwargs: dict[str, Any] | None = None,
         **client: Any,
     ) -> None:
+        self.dialect = dialect(engine)  # ValueError for a name the table does not have, before any I/O
         super().__init__(**client)
         self.model = model
         self.engine = engine
@@ -363,11 +357,11 @@ class ChatClient(EngineClient):
         if self.chat_template_kwargs:
             base.setdefault("chat_template_kwargs", self.chat_template_kwargs)
         if self.capture:
-            for key, value in chat_capture_fields(self.engine).items():
+            for key, value in self.dialect.chat_capture.items():
                 base.setdefault(key, value)
-        continue_fields = self.continuation.request_fields
+        continue_fields: Mapping[str, Any] | None = self.continuation.request_fields
         if continue_fields is None:
-            continue_fields = chat_continue_fields(self.engine)
+            continue_fields = self.dialect.chat_continue
         text = ""
         reasoning: str | None = None
         generated = 0

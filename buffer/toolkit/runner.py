@@ -33,22 +33,23 @@ from typing import Annotated, Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from buffer.current import current_job
 from buffer.policy import find_policy
 from buffer.policy.admission import Admits
 from buffer.policy.gate import Gate, recording
-from buffer.policy.remote import RemotePolicy
-from buffer.service.jobs import current_job
 from buffer.toolkit.agent import single_turn
 from buffer.toolkit.dataset import Plan, ResumePoint, read_rows
 from buffer.toolkit.engines import Engine
 from buffer.toolkit.failfast import FailFast, MisconfiguredEngine
+from buffer.toolkit.leased import leased
 from buffer.toolkit.llm import ChatClient, ContinuePolicy, EngineClient, LLMStats, RetryPolicy
 from buffer.toolkit.offload import Offload
 from buffer.toolkit.pool import group_key, routing_key
 from buffer.toolkit.records import turn_records
+from buffer.toolkit.remote_policy import RemotePolicy
 from buffer.toolkit.sink import HttpSink, RejectedTrajectory, TrajectorySink, open_sink
 from buffer.toolkit.stamp import stamp
-from buffer.toolkit.tito import TokenClient, TokenEngine, TokenRenderer, load_tokenizer
+from buffer.toolkit.tito import TokenClient, TokenRenderer, load_tokenizer
 from buffer.toolkit.transport import Transport
 from buffer.toolkit.types import Completion, Episode, GroupRewardFn, Message, RewardFn, Sample
 from default_func import FAILURE_REWARD
@@ -351,8 +352,9 @@ def policy_client(
     if tokenizer is None:
         tokenizer = load_tokenizer(settings.tokenizer_path)
     renderer = TokenRenderer(tokenizer, settings.chat_template_kwargs)
-    engine: TokenEngine = "vllm" if settings.engine == "vllm" else "sglang"
-    return TokenClient(settings.remote_engine_url, renderer, engine=engine, model=settings.model, **common)
+    return TokenClient(
+        settings.remote_engine_url, renderer, engine=settings.engine, model=settings.model, **common
+    )
 
 
 class _Run:
@@ -592,13 +594,11 @@ def _as_async(fn: Callable[..., Any], offload: Offload) -> Callable[..., Awaitab
 async def _samples(plan: Plan, task_type: str, leases: dict[str, Any] | None) -> AsyncIterator[Sample]:
     """The plan's samples; with ``leases`` (a job's worker, or ``rollout-buffer worker
     --leases``), those the buffer grants this worker from the whole plan
-    (``buffer.workers.leased``)."""
+    (``buffer.toolkit.leased``)."""
     if leases is None:
         for sample in plan:
             yield sample
         return
-    from buffer.workers.leased import leased
-
     async for sample in leased(plan, task_type, leases):
         yield sample
 

@@ -1,10 +1,11 @@
 """Where a generator's trajectories go.
 
 Inside the service (a job of this process whose ``remote_buffer_url`` is the service itself)
-they go straight into the buffer, validated as a write would be, with no HTTP round trip.
-Elsewhere they go over HTTP to ``/buffer/write_batch``: batched, retried until the buffer
-takes them (a 429 or an outage slows the generator down; nothing is dropped), idempotent
-because the buffer deduplicates by ``uid``.
+they go to the writer the service handed the job (``buffer.current.JobContext.writer``:
+straight into the buffer, validated as a write would be, with no HTTP round trip). Elsewhere
+they go over HTTP to ``/buffer/write_batch``: batched, retried until the buffer takes them (a
+429 or an outage slows the generator down; nothing is dropped), idempotent because the buffer
+deduplicates by ``uid``.
 """
 
 from __future__ import annotations
@@ -18,15 +19,12 @@ from urllib.parse import urlsplit
 
 import httpx
 import orjson
-from pydantic import ValidationError
 from tenacity import AsyncRetrying, retry_if_exception, wait_random_exponential
 
-from buffer.core.rollout_buffer import RolloutBuffer
-from buffer.errors import BufferFull, InvalidInput
-from buffer.service.jobs import current_job
+from buffer.current import current_job
+from buffer.keys import key_or_env
 from buffer.toolkit.http11 import Http11Transport
 from buffer.toolkit.transport import Reply, Unreachable
-from buffer.trainer.client.base import key_or_env
 
 logger = logging.getLogger(__name__)
 
@@ -39,37 +37,6 @@ class TrajectorySink(Protocol):
 
 class RejectedTrajectory(ValueError):
     """The buffer refused a trajectory as invalid: a bug of the generator, never retried."""
-
-
-class LocalSink:
-    """Writes into this process's buffer: waits while it is full, returns once durable."""
-
-    def __init__(self, buffer: RolloutBuffer) -> None:
-        from buffer.service.models import (
-            TRAJECTORY,  # the schema: 26 ms of a worker's start-up, which never needs it
-        )
-
-        self._buffer = buffer
-        self._schema = TRAJECTORY
-
-    async def write(self, trajectory: dict[str, Any]) -> None:
-        try:
-            self._schema.validate_python(trajectory)
-        except ValidationError as exc:
-            raise RejectedTrajectory(str(exc)) from None
-        while True:
-            try:
-                self._buffer.write(trajectory)
-                break
-            except InvalidInput as exc:  # what validation cannot see, e.g. an integer beyond 64 bits
-                raise RejectedTrajectory(str(exc)) from None
-            except BufferFull as exc:  # the trainer is behind: slow down, lose nothing
-                logger.debug("%s; retrying in %d s", exc, exc.retry_after_s)
-                await asyncio.sleep(exc.retry_after_s)
-        await self._buffer.wait_durable()  # as an HTTP write, done once on disk
-
-    async def aclose(self) -> None:
-        return None
 
 
 class HttpSink:
@@ -230,27 +197,24 @@ def _is_transient(exc: BaseException) -> bool:
 
 
 async def open_sink(remote_buffer_url: str | None, *, api_key: str | None = None) -> TrajectorySink:
-    """The direct sink when this runs as a job of the service ``remote_buffer_url`` names
-    (or names nothing), an HTTP sink to the service's own address from its worker processes
-    (with the service's key, which it gave them), else an HTTP sink to ``remote_buffer_url``."""
+    """The job's own writer when this runs as a job of the service ``remote_buffer_url``
+    names (or names nothing) in the service's process, an HTTP sink to the service's own
+    address from its worker processes (with the service's key, which it gave them), else an
+    HTTP sink to ``remote_buffer_url``."""
     job = current_job()
-    if job is not None and (job.buffer is not None or job.in_worker):
+    if job is not None and (job.writer is not None or job.in_worker):
         local = (
             remote_buffer_url is None
             or remote_buffer_url == job.buffer_url
             or await asyncio.to_thread(same_service, remote_buffer_url, job.buffer_url)
         )
-        if local and job.buffer is not None:
-            return LocalSink(job.buffer)
+        if local and job.writer is not None:
+            return job.writer
         if local and job.buffer_url is not None:  # a worker process of the service: its loopback
             return HttpSink(job.buffer_url, api_key=api_key)
     if remote_buffer_url is None:
         raise ValueError("remote_buffer_url is required outside the rollout buffer service")
-    if (
-        job is not None
-        and api_key is None
-        and not (job.policy and job.policy.may_send_api_key(remote_buffer_url))
-    ):
+    if job is not None and api_key is None and not job.may_send_api_key(remote_buffer_url):
         api_key = ""  # the service's own key (its environment's) never goes to a URL a client chose
     return HttpSink(remote_buffer_url, api_key=api_key)
 

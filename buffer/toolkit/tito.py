@@ -32,20 +32,11 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
-from buffer.toolkit.engines import (
-    AnswerShapeError,
-    Generated,
-    completions_request,
-    generate_request,
-    read_completions,
-    read_generate,
-)
+from buffer.toolkit.engines import AnswerShapeError, Engine, Generated, dialect
 from buffer.toolkit.llm import EngineClient, LLMError, _sampling_record, engine_base_url, engine_root_url
 from buffer.toolkit.types import Completion, Message, TokenCapture
-
-TokenEngine = Literal["sglang", "vllm"]
 
 #: ``parser(text) -> (content, tool_calls)``: the text without the calls, and the calls in
 #: OpenAI's form (``{"id", "type": "function", "function": {"name", "arguments": str}}``).
@@ -210,7 +201,8 @@ class TokenRenderer:
 class TokenClient(EngineClient):
     """A policy client in token-in/token-out mode, with the chat client's ``complete``.
 
-    ``engine`` "sglang" posts to ``<root>/generate``, "vllm" to ``<base>/v1/completions``.
+    ``engine`` names the dialect's token route (``engines.DIALECTS``): "sglang" (and "auto")
+    post to ``<root>/generate``, "vllm" to ``<base>/v1/completions``.
     Pass the conversation's last completion as ``previous`` and the prompt is extended from its
     ids; without it the prompt is rendered from ``messages``."""
 
@@ -219,22 +211,22 @@ class TokenClient(EngineClient):
         base_url: str | Sequence[str],
         renderer: TokenRenderer,
         *,
-        engine: TokenEngine = "sglang",
+        engine: Engine = "sglang",
         model: str = "default",
         tool_parser: ToolCallParser = hermes_tool_calls,
         reasoning: bool = True,
         **client: Any,
     ) -> None:
+        self.dialect = dialect(engine)  # ValueError for a name the table does not have, before any I/O
         super().__init__(**client)
         self.renderer = renderer
         self.engine = engine
         self.model = model
         self.tool_parser = tool_parser
         self.reasoning = reasoning
-        if engine == "sglang":
-            self._engines(base_url, lambda url: engine_root_url(url) + "/generate")
-        else:
-            self._engines(base_url, lambda url: engine_base_url(url) + "/completions")
+        route = self.dialect
+        at = engine_base_url if route.token_path_under_v1 else engine_root_url
+        self._engines(base_url, lambda url: at(url) + route.token_path)
 
     async def complete(
         self,
@@ -316,13 +308,11 @@ class TokenClient(EngineClient):
     def _request(
         self, prompt: list[int], remaining: int | None, sampling: dict[str, Any], seed: int | None
     ) -> dict[str, Any]:
-        if self.engine == "sglang":
-            return generate_request(prompt, remaining, sampling, seed)
-        return completions_request(self.model, prompt, remaining, sampling, seed)
+        return self.dialect.token_request(self.model, prompt, remaining, sampling, seed)
 
     def _read(self, answer: dict[str, Any]) -> Generated:
         try:
-            return read_generate(answer) if self.engine == "sglang" else read_completions(answer)
+            return self.dialect.read_tokens(answer)
         except AnswerShapeError as exc:
             raise LLMError(f"the policy server's answer is malformed: {exc}") from exc
 

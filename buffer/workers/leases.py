@@ -30,25 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-#: Repeats beyond this are tracked as whole keys instead of bits (no unbounded bit masks).
-MAX_REPEAT_BIT = 4096
-
-
-def item_key(epoch: Any, instance_id: Any, repeat: Any) -> str:
-    return f"{epoch}|{instance_id}|{repeat}"
-
-
-def split_key(key: str) -> tuple[str, str, int] | None:
-    """``key``'s epoch, instance and repeat (None: not a key a plan makes)."""
-    epoch, sep, rest = key.partition("|")
-    instance, sep2, repeat = rest.rpartition("|")
-    if not (sep and sep2):
-        return None
-    try:
-        number = int(repeat)
-    except ValueError:
-        return None
-    return (epoch, instance, number) if 0 <= number < MAX_REPEAT_BIT else None
+from buffer.lease_terms import item_key, split_key
 
 
 @dataclass(slots=True)

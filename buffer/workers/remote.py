@@ -26,10 +26,10 @@ from typing import Any
 
 import httpx
 
+from buffer.keys import key_or_env
+from buffer.lease_terms import lease_settings
 from buffer.logs import configure_logging
-from buffer.trainer.client.base import key_or_env
 from buffer.workers import child
-from buffer.workers.leased import lease_settings
 from buffer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)

@@ -1,12 +1,14 @@
-"""What the service tells a worker process: everything it needs, as JSON on its stdin."""
+"""What the service tells a worker process: everything it needs, as JSON on its stdin.
+
+Plain data only, so that the worker imports nothing of the service: the hosts the service's
+own API key may be sent to travel as a list of names (``api_key_hosts``), and the worker builds
+the generator's ``buffer.current.JobContext`` from them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
-
-from buffer.service.job_policy import JobPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,8 +27,8 @@ class WorkerSpec:
     #: Where it keeps ``current_job().progress`` (the toolkit's counts) for the service to show.
     progress_file: str = ""
     log_level: str = "info"
-    input_roots: tuple[str, ...] = ()
-    engine_hosts: tuple[str, ...] | None = None
+    #: Hosts a ``remote_buffer_url`` may name to be sent the service's own API key
+    #: (``JobPolicy.api_key_hosts``, ``--send-api-key-to``).
     api_key_hosts: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
@@ -35,23 +37,5 @@ class WorkerSpec:
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> WorkerSpec:
         raw = dict(raw)
-        raw["input_roots"] = tuple(raw.get("input_roots", ()))
-        hosts = raw.get("engine_hosts")
-        raw["engine_hosts"] = None if hosts is None else tuple(hosts)
         raw["api_key_hosts"] = tuple(raw.get("api_key_hosts", ()))
         return cls(**raw)
-
-    def policy(self) -> JobPolicy:
-        return JobPolicy(
-            tuple(Path(root) for root in self.input_roots),
-            None if self.engine_hosts is None else frozenset(self.engine_hosts),
-            frozenset(self.api_key_hosts),
-        )
-
-    @staticmethod
-    def policy_fields(policy: JobPolicy) -> dict[str, Any]:
-        return {
-            "input_roots": tuple(str(root) for root in policy.input_roots),
-            "engine_hosts": None if policy.engine_hosts is None else tuple(sorted(policy.engine_hosts)),
-            "api_key_hosts": tuple(sorted(policy.api_key_hosts)),
-        }

@@ -11,7 +11,7 @@ from buffer.core.hooks import Hooks, bind_hooks
 from buffer.core.pipeline import INVALID_GROUP, TIMEOUT_TOO_SMALL, TOO_FEW_VALID_ITEMS
 from buffer.core.rollout_buffer import DEFAULT_TASK, RolloutBuffer
 from buffer.core.task import TaskSettings
-from buffer.errors import InvalidInput
+from buffer.errors import BufferFull, InvalidInput
 from tests.support.factories import FakeClock, group, trajectory
 
 
@@ -398,3 +398,18 @@ def test_a_read_counts_how_long_its_groups_waited_since_they_finished() -> None:
     assert counters["served_age_s_sum"] == pytest.approx(5.0, abs=0.5)
     buffer.peek()  # looking is no serving
     assert buffer.stats()["tasks"][DEFAULT_TASK]["served_age_count"] == 1
+
+
+def test_a_full_buffer_refuses_new_groups_but_lets_open_ones_finish(clock: FakeClock) -> None:
+    buffer = RolloutBuffer(TaskSettings(group_size=2), clock=clock, max_buffered=3)
+    buffer.write_many(group("q1", [0, 1]))
+    buffer.write(trajectory("q2", 1))
+    with pytest.raises(BufferFull) as refused:
+        buffer.write(trajectory("q3", 1))
+    assert refused.value.headers() == {"Retry-After": "1"}
+    assert buffer.stats()["pending_items"] == 1  # nothing taken from the refused write
+    assert buffer.stats()["refused_full"] == 1
+    buffer.write(trajectory("q2", 0))  # q2 is open: taken, and it finishes
+    assert buffer.buffered_items() == 4
+    buffer.read()
+    buffer.write(trajectory("q3", 1))  # room again

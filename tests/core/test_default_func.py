@@ -5,31 +5,53 @@ from __future__ import annotations
 import inspect
 import math
 import random
+import re
 
 import pytest
 
 import default_func
-from buffer.core.hooks import Hooks
+from buffer.core.hook_guard import GuardedHook, guard_hooks
+from buffer.core.hooks import EVALUATION_HOOKS, Hooks, bind_hooks
 from buffer.core.stats import RewardStats
 from default_func import HOOKS
 from tests.support.factories import group, trajectory
+from tests.support.paths import REPO
 
 
 def test_every_hook_in_the_spec_has_a_matching_default_and_a_field_on_hooks() -> None:
-    assert set(HOOKS) == {
-        "filter_item",
-        "is_valid_group",
-        "normalize_group_data",
-        "pad_group_data",
-        "get_group_data_meta_info",
-        "transform_group",
-    }
     assert set(HOOKS) == {name for name in Hooks.__dataclass_fields__ if name != "overridden"}
     for name, spec in HOOKS.items():
+        assert spec.name == name
         assert spec.default is getattr(default_func, name)
         assert getattr(Hooks(), name) is spec.default
         # The default takes every argument the buffer passes.
         inspect.signature(spec.default).bind(*spec.params)
+
+
+def test_the_generators_guide_lists_exactly_the_hooks_of_the_contract() -> None:
+    guide = (REPO / "docs" / "generators.md").read_text()
+    listed = re.search(r"`default_func\.py` is the hook contract: it lists the hooks \(([^)]*)\)", guide)
+    assert listed is not None, "docs/generators.md names the hooks of default_func.HOOKS"
+    assert re.findall(r"`(\w+)`", listed.group(1)) == list(HOOKS)
+
+
+def test_every_hook_a_generator_overrides_runs_under_the_time_limit() -> None:
+    def stand_in(*args: object) -> object:
+        return args[0]
+
+    hooks = bind_hooks(dict.fromkeys(HOOKS, stand_in))
+    assert hooks.overridden == set(HOOKS)
+    guarded = guard_hooks(hooks, limit_s=1.0)
+    assert {name for name in HOOKS if isinstance(getattr(guarded, name), GuardedHook)} == set(HOOKS)
+    assert guard_hooks(Hooks(), limit_s=1.0) == Hooks()  # the defaults are the buffer's own: run directly
+
+
+def test_an_evaluation_keeps_every_item_and_reports_the_hooks_it_replaces() -> None:
+    items = [trajectory(reward=-1.0), trajectory(reward=0.5)]
+    assert all(EVALUATION_HOOKS.filter_item(item, "eval") for item in items)
+    assert EVALUATION_HOOKS.overridden == {
+        name for name in HOOKS if getattr(EVALUATION_HOOKS, name) is not HOOKS[name].default
+    }
 
 
 @pytest.mark.parametrize(

@@ -20,10 +20,10 @@ from buffer.core.rollout_buffer import RolloutBuffer
 from buffer.core.task import TaskSettings
 from buffer.policy import Admission, Gate, Policy, PolicyError
 from buffer.policy.gate import recording
-from buffer.policy.remote import RemotePolicy
 from buffer.simulator.app import create_sim_app
 from buffer.simulator.config import SimConfig
 from buffer.toolkit.llm import ChatClient, RetryPolicy, _StopOpenTime
+from buffer.toolkit.remote_policy import RemotePolicy
 from buffer.toolkit.runner import run_rollouts
 from tests.support.factories import Collected, group, write_generator
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -14,9 +15,8 @@ from fastapi.testclient import TestClient
 from buffer.core.registry import GeneratorRegistry
 from buffer.core.rollout_buffer import RolloutBuffer
 from buffer.service.job_policy import JobPolicy
-from buffer.service.jobs import Job, JobManager, JobStatus, _current_job
+from buffer.service.jobs import JobManager, JobStatus
 from buffer.service.settings import Settings
-from buffer.toolkit.sink import HttpSink, open_sink
 
 # Writes the data it was started with to data["out"].
 RECORDER = """
@@ -152,30 +152,45 @@ def test_the_job_reads_the_input_file_resolved(
     assert json.loads(out.read_text())["input_file"] == str(Path("pyproject.toml").resolve())
 
 
+# Records whether the sink it opens for data["remote_buffer_url"] sends a key, and which.
+KEY_PROBE = """
+import json
+from buffer.toolkit.sink import open_sink
+
+TASK_TYPE = "key_probe"
+
+async def run_rollout(data):
+    sink = await open_sink(data["remote_buffer_url"], api_key=data.get("buffer_api_key"))
+    with open(data["out"], "w") as out:
+        json.dump({"authorization": sink.authorization}, out)
+    await sink.aclose()
+"""
+
+
 @pytest.mark.anyio
 async def test_the_service_key_is_not_sent_to_a_buffer_the_client_chose(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, generator_dir: Path, tmp_path: Path
 ) -> None:
+    """Only to the hosts of ``--send-api-key-to``; a client's own key goes where it says."""
     monkeypatch.setenv("ROLLOUT_BUFFER_API_KEY", "service-secret")
-    job = Job("job-1", "t", "g.py", {}, 0, buffer_url="http://127.0.0.1:8889")
-    token = _current_job.set(job)
-    try:
-        for policy, sent in [
-            (JobPolicy((Path.cwd(),)), False),
-            (JobPolicy((Path.cwd(),), api_key_hosts=frozenset({"other.internal"})), True),
-        ]:
-            job.policy = policy
-            sink = await open_sink("http://other.internal:8889")
-            assert isinstance(sink, HttpSink)
-            assert ("authorization" in sink._headers) is sent
-            await sink.aclose()
-        job.policy = JobPolicy((Path.cwd(),))
-        sink = await open_sink("http://other.internal:8889", api_key="its-own")
-        assert isinstance(sink, HttpSink)
-        assert sink._headers["authorization"] == "Bearer its-own"  # the client's own key for it
-        await sink.aclose()
-    finally:
-        _current_job.reset(token)
+    (generator_dir / "key_probe_generator.py").write_text(KEY_PROBE)
+    registry = GeneratorRegistry(generator_dir)
+    registry.refresh()
+    generator = registry.generators["key_probe"]
+    for hosts, own_key, sent in [
+        (frozenset(), None, None),
+        (frozenset({"other.internal"}), None, "Bearer service-secret"),
+        (frozenset(), "its-own", "Bearer its-own"),  # the client's own key for it
+    ]:
+        policy = JobPolicy((tmp_path,), api_key_hosts=hosts)
+        jobs = JobManager(RolloutBuffer(), "http://127.0.0.1:8889", policy=policy, isolation="inline")
+        out = tmp_path / "out.json"
+        data = {"remote_buffer_url": "http://other.internal:9000", "out": str(out), "buffer_api_key": own_key}
+        job = jobs.start(generator, data)
+        assert job._task is not None
+        await asyncio.wait_for(job._task, 10)
+        assert job.status is JobStatus.SUCCEEDED, job.error
+        assert json.loads(out.read_text()) == {"authorization": sent}
     assert os.environ["ROLLOUT_BUFFER_API_KEY"] == "service-secret"
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-import buffer.simulator.app as sim_app_module
+import buffer.simulator.prompts as prompts_module
 from buffer.simulator import SimConfig, create_sim_app
 from buffer.simulator.front import SimApp
 from buffer.simulator.replies import plan_reply
@@ -39,7 +39,7 @@ async def test_a_group_s_prompt_is_read_once_on_each_route(monkeypatch: pytest.M
         plans.append(args)
         return plan_reply(*args)
 
-    monkeypatch.setattr(sim_app_module, "plan_reply", counted)
+    monkeypatch.setattr(prompts_module, "plan_reply", counted)
     app = create_sim_app(SimConfig(latency_mean_s=0.0, seed=0))
     body = {"messages": QUESTION, "return_prompt_token_ids": True, "return_token_ids": True}
     answers = [await post(app, "/v1/chat/completions", body) for _ in range(8)]

@@ -8,10 +8,16 @@ from collections import Counter
 from typing import Any
 
 import httpx
+import pydantic
 import pytest
 import respx
 
+from buffer.simulator import SimConfig, create_sim_app
+from buffer.simulator.engines import DIALECTS as SIMULATED
+from buffer.simulator.tokenizer import build_tokenizer
+from buffer.toolkit.engines import DIALECTS, ENGINES
 from buffer.toolkit.llm import ChatClient, ContinuePolicy, LLMError, LLMStats, RetryPolicy, engine_base_url
+from buffer.toolkit.runner import RolloutSettings
 from buffer.toolkit.types import TokenCapture
 
 pytestmark = pytest.mark.anyio
@@ -447,3 +453,53 @@ async def test_an_answer_without_choices_is_an_error() -> None:
     async with client() as llm:
         with pytest.raises(LLMError, match="no choices"):
             await llm.complete(PROMPT)
+
+
+# The engine table: one entry per dialect, the names the API takes, the simulator speaking each
+
+
+def test_the_engine_names_the_api_takes_are_those_of_the_dialect_table() -> None:
+    assert ENGINES == tuple(DIALECTS) == ("auto", "vllm", "sglang")
+    schema = RolloutSettings.model_json_schema()["properties"]["engine"]
+    assert (schema["enum"], schema["default"]) == (list(DIALECTS), "auto")
+    payload = {"input_file": "rows.jsonl", "remote_engine_url": "http://engine.test"}
+    for name, dialect in DIALECTS.items():
+        assert dialect.name == name
+        assert RolloutSettings.model_validate({**payload, "engine": name}).engine == name
+    with pytest.raises(pydantic.ValidationError, match="engine"):
+        RolloutSettings.model_validate({**payload, "engine": "tgi"})
+
+
+def test_a_client_for_an_engine_the_table_does_not_have_is_refused_saying_which_it_has() -> None:
+    with pytest.raises(ValueError, match="unknown engine 'tgi': one of auto, vllm, sglang"):
+        ChatClient("http://engine.test", engine="tgi", transport=httpx.AsyncHTTPTransport())
+
+
+def simulated_engines(dialect: str) -> list[str]:
+    """The simulator's engines a toolkit dialect is tested against: its namesake; every one for auto."""
+    return list(SIMULATED) if dialect == "auto" else [name for name in SIMULATED if name == dialect]
+
+
+@pytest.mark.parametrize("dialect", list(DIALECTS))
+async def test_each_dialect_captures_and_continues_on_the_simulated_engines_it_speaks(dialect: str) -> None:
+    engines = simulated_engines(dialect)
+    assert engines, f"the simulator imitates no engine for {dialect!r}: add one to buffer.simulator.engines"
+    tokenizer = build_tokenizer()
+    prompt_ids = tokenizer.apply_chat_template(
+        PROMPT, tokenize=True, return_dict=False, add_generation_prompt=True
+    )
+    for engine in engines:
+        app = create_sim_app(SimConfig(engine=engine, latency_mean_s=0.0, abort_rate=0.5, seed=0))
+        transport = httpx.ASGITransport(app=app)
+        continuations = 0
+        async with ChatClient(
+            "http://sim", model="sim-model", engine=dialect, transport=transport, retry=FAST
+        ) as llm:
+            for seed in range(6):
+                completion = await llm.complete(PROMPT, max_tokens=256, seed=seed)
+                assert completion.finish_reason == "stop", (engine, completion)
+                assert completion.tokens is not None, f"{dialect} got no ids from the simulated {engine}"
+                assert completion.tokens.prompt_ids == prompt_ids
+                assert len(completion.tokens.output_logprobs or ()) == len(completion.tokens.output_ids)
+                continuations += completion.continuations
+        assert continuations, "an aborted answer was continued in the dialect's fields"

@@ -129,7 +129,8 @@ def test_the_same_service_is_recognised_by_port_and_local_address() -> None:
 
 
 LOCAL_GENERATOR = """
-from buffer.toolkit import LocalSink, open_sink, run_rollouts
+from buffer.service.local_sink import LocalSink
+from buffer.toolkit import open_sink, run_rollouts
 
 TASK_TYPE = "local"
 

@@ -17,8 +17,10 @@ import pytest
 import respx
 
 from buffer.service.models import TRAJECTORY
+from buffer.simulator import SimConfig, create_sim_app
+from buffer.simulator.tokenizer import build_tokenizer as build_sim_tokenizer
 from buffer.toolkit.agent import Tool, run_tools, single_turn
-from buffer.toolkit.engines import AnswerShapeError, read_generate
+from buffer.toolkit.engines import DIALECTS, AnswerShapeError, read_generate
 from buffer.toolkit.llm import ContinuePolicy, RetryPolicy
 from buffer.toolkit.runner import RolloutSettings, policy_client, run_rollouts
 from buffer.toolkit.tito import (
@@ -417,3 +419,45 @@ def test_token_mode_without_a_tokenizer_path_says_so() -> None:
     )
     with pytest.raises(ValueError, match="token_mode needs tokenizer_path"):
         policy_client(settings)
+
+
+# Each dialect's token route, on the simulator (the stand-in this table is tested against)
+
+TOKEN_ROUTES = {"auto": "/generate", "sglang": "/generate", "vllm": "/v1/completions"}
+
+
+@pytest.mark.parametrize("engine", list(DIALECTS))
+async def test_each_dialect_s_token_route_is_served_and_read_back_faithfully(engine: str) -> None:
+    assert set(TOKEN_ROUTES) == set(DIALECTS), "a new dialect: say here which route its token prompts take"
+    sim = create_sim_app(SimConfig(latency_mean_s=0.0, abort_rate=0.5, accuracy=1.0, seed=0))
+    paths: list[str] = []
+
+    async def recorded(scope: Any, receive: Any, send: Any) -> None:
+        paths.append(scope["path"])
+        await sim(scope, receive, send)
+
+    renderer = TokenRenderer(build_sim_tokenizer())
+    client = TokenClient(
+        "http://sim",
+        renderer,
+        engine=engine,
+        model="sim-model",
+        continuation=ContinuePolicy(delay_s=0),
+        transport=httpx.ASGITransport(app=recorded),
+    )
+    question = [{"role": "user", "content": "What is 2 + 3?"}]
+    async with client:
+        completions = [await client.complete(question, max_tokens=256, seed=seed) for seed in range(4)]
+    assert set(paths) == {TOKEN_ROUTES[engine]}
+    for completion in completions:
+        assert completion.finish_reason == "stop"
+        assert completion.tokens is not None
+        assert completion.tokens.prompt_ids == renderer.first_prompt(question, None)
+        assert len(completion.tokens.output_logprobs or ()) == len(completion.tokens.output_ids)
+        assert "5" in completion.text
+    assert sum(completion.continuations for completion in completions), "aborted answers were continued"
+
+
+def test_a_token_client_for_an_engine_the_table_does_not_have_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown engine 'tgi': one of auto, vllm, sglang"):
+        TokenClient(ENGINE, TokenRenderer(qwen25()), engine="tgi", transport=httpx.AsyncHTTPTransport())

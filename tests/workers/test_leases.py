@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from buffer.service.jobs import Job, _current_job
+from buffer.current import JobContext, running
+from buffer.lease_terms import item_key
 from buffer.toolkit.dataset import Plan
+from buffer.toolkit.leased import leased
 from buffer.toolkit.types import Sample
-from buffer.workers.leased import leased
-from buffer.workers.leases import LeaseBoard, item_key
+from buffer.workers.leases import LeaseBoard
 from tests.support.factories import FakeClock, trajectory
 
 
@@ -155,23 +156,22 @@ async def _work(
     """One worker: walks the plan as ``leased`` does, and writes each sample it is granted
     (here: the board observes it at once) unless it stops first."""
     name = f"w{index}"
-    job = Job("job-1", "t", "g.py", {}, 0, lease_board=board)
-    token = _current_job.set(job)
+    job = JobContext("job-1", "t", "g.py", {}, lease_board=board)
     leases: dict[str, Any] = {"worker": name, "index": index, "count": count, "chunk": 4, "ttl_s": ttl_s}
     try:
-        async with contextlib.aclosing(leased(plan, "t", leases)) as samples:
-            async for sample in samples:
-                if stop_after is not None and len([m for m in made if m[0] == name]) >= stop_after:
-                    return  # lost: what it was granted and has not written is still its own
-                await asyncio.sleep(0)
-                made.append((name, sample))
-                board.observe("t", written(str(sample.instance_id), sample.repeat, sample.epoch))
+        with running(job):
+            async with contextlib.aclosing(leased(plan, "t", leases)) as samples:
+                async for sample in samples:
+                    if stop_after is not None and len([m for m in made if m[0] == name]) >= stop_after:
+                        return  # lost: what it was granted and has not written is still its own
+                    await asyncio.sleep(0)
+                    made.append((name, sample))
+                    board.observe("t", written(str(sample.instance_id), sample.repeat, sample.epoch))
     finally:
-        _current_job.reset(token)
         await _end_run(job)
 
 
-async def _end_run(job: Job) -> None:
+async def _end_run(job: JobContext) -> None:
     """What the end of a run does to the tasks its generator left (the leases' heartbeat)."""
     for task in job.background:
         task.cancel()
@@ -199,15 +199,14 @@ async def test_a_plan_of_millions_of_items_starts_at_once_and_tells_the_board_ea
     rows = [{"instance_id": f"q{i}", "prompt": "p"} for i in range(64)]
     plan = Plan(rows, num_repeat_per_sample=8, num_epoch=100_000)
     board = LeaseBoard()
-    job = Job("job-1", "t", "g.py", {}, 0, lease_board=board)
-    token = _current_job.set(job)
+    job = JobContext("job-1", "t", "g.py", {}, lease_board=board)
     leases: dict[str, Any] = {"worker": "w0", "index": 0, "count": 2, "chunk": 256, "ttl_s": 30}
     started = time.monotonic()
     try:
-        async with contextlib.aclosing(leased(plan, "t", leases)) as samples:
-            taken = [sample async for sample in _first(samples, 600)]
+        with running(job):
+            async with contextlib.aclosing(leased(plan, "t", leases)) as samples:
+                taken = [sample async for sample in _first(samples, 600)]
     finally:
-        _current_job.reset(token)
         await _end_run(job)
     assert time.monotonic() - started < 5
     assert len(taken) == 600
@@ -249,12 +248,9 @@ async def test_a_silent_remote_workers_items_are_taken_after_its_lease() -> None
 async def test_a_worker_done_walking_keeps_what_it_has_in_flight_until_its_run_ends() -> None:
     """A long rollout outlasts the lease: its worker, done with the plan, still renews it."""
     board, plan = LeaseBoard(), _plan(instances=2, repeats=1, epochs=1)
-    job = Job("job-1", "t", "g.py", {}, 0, lease_board=board)
-    token = _current_job.set(job)
-    try:
+    job = JobContext("job-1", "t", "g.py", {}, lease_board=board)
+    with running(job):
         samples = [s async for s in leased(plan, "t", {"worker": "a", "ttl_s": 0.2, "chunk": 4})]
-    finally:
-        _current_job.reset(token)
     assert len(samples) == 2  # granted; their trajectories are still being made
     await asyncio.sleep(0.5)  # more than the lease
     assert board.orphans("t", "b", limit=10, ttl_s=0.2)[0] == []
@@ -265,7 +261,7 @@ async def test_a_worker_done_walking_keeps_what_it_has_in_flight_until_its_run_e
 
 PROBE = """
 import json
-from buffer.workers.leased import BoardLeases, lease_client
+from buffer.toolkit.leased import BoardLeases, lease_client
 TASK_TYPE = "probe"
 
 async def run_rollout(data):

@@ -5,6 +5,7 @@ An agent (an OpenAI-SDK loop, LangGraph, a coding CLI) is pointed at a session's
 the engine with token capture on, and recorded; ending the session turns the recorded calls
 into a token-faithful trajectory written to the buffer like any other.
 
+- ``calls``: one recorded chat completion (``Call``), as the journal keeps it.
 - ``sessions``: the sessions' state, changed only by events that the buffer journals, so a
   restart replays them (``SessionStore``).
 - ``tree``: which recorded call continues which (an agent that retries or branches).

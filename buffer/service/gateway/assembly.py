@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from buffer.service.gateway.sessions import Call, Session
+from buffer.service.gateway.calls import Call
+from buffer.service.gateway.sessions import Session
 from buffer.service.gateway.tree import path_to, whole_messages
 
 FINISH_REASONS = frozenset({"stop", "length", "abort", "tool_calls"})

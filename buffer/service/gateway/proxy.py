@@ -1,7 +1,7 @@
 """The engine call of a proxied chat completion, and the stream the agent asked for.
 
 The request goes to the engine as the agent wrote it (tools, images, sampling fields, any
-extension), with the toolkit's capture fields added (``engines.chat_capture_fields``) and
+extension), with the toolkit's capture fields added (``engines.Dialect.chat_capture``) and
 ``stream: false``; the answer's ids and logprobs are read by the toolkit's reader
 (``engines.chat_tokens``). The HTTP client is the toolkit's ``EngineClient`` on one shared
 aiohttp transport (its engine pool, retries of transport errors, 429 and 5xx).
@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import orjson
 
-from buffer.toolkit.engines import AnswerShapeError, Engine, chat_capture_fields, chat_tokens
+from buffer.toolkit.engines import AnswerShapeError, Engine, chat_tokens, dialect
 from buffer.toolkit.llm import EngineClient, LLMError, RetryPolicy, engine_base_url
 from buffer.toolkit.pool import routing_key
 from buffer.toolkit.transport import AiohttpTransport, HttpxTransport, Transport
@@ -53,6 +53,7 @@ class EngineProxy:
         retry: RetryPolicy | None = None,
     ) -> None:
         self.engine = engine
+        self.dialect = dialect(engine)
         if transport is None:
             self._transport: Transport = AiohttpTransport()
         elif isinstance(transport, httpx.AsyncBaseTransport):
@@ -66,7 +67,7 @@ class EngineProxy:
     def upstream_body(self, body: dict[str, Any]) -> dict[str, Any]:
         upstream = {key: value for key, value in body.items() if key not in ("stream", "stream_options")}
         upstream["stream"] = False
-        for key, value in chat_capture_fields(self.engine).items():
+        for key, value in self.dialect.chat_capture.items():
             upstream.setdefault(key, value)
         return upstream
 

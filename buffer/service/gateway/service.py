@@ -26,12 +26,14 @@ from typing import Any, Protocol
 
 import orjson
 
-from buffer.core.rollout_buffer import RolloutBuffer, WriteResult
+from buffer.core.rollout_buffer import RolloutBuffer
+from buffer.core.writes import WriteResult
 from buffer.errors import InvalidInput, NotFound, RolloutBufferError
 from buffer.service.gateway.assembly import NothingRecorded, assemble
+from buffer.service.gateway.calls import Call
 from buffer.service.gateway.images import ImagePolicy, write_files
 from buffer.service.gateway.proxy import EngineProxy, capture
-from buffer.service.gateway.sessions import EVENT_KIND, Call, OnTimeout, Session, SessionStore
+from buffer.service.gateway.sessions import EVENT_KIND, OnTimeout, Session, SessionStore
 from buffer.service.gateway.tree import parent_of
 from buffer.service.job_policy import JobPolicy
 from buffer.service.models import TRAJECTORY, parse_json

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-if TYPE_CHECKING:
-    from buffer.service.gateway.sessions import Call
+from buffer.service.gateway.calls import Call
 
 
 def message_key(message: dict[str, Any]) -> bytes:

@@ -31,11 +31,11 @@ async def export(
     """Stream every trajectory delivered in ``[since, until)``, one JSON object a line:
     ``{"delivered_at", "read_id", "task_type", "instance_id", "trajectory"}``, oldest first,
     as far back as ``--export-retention-hours``."""
-    journal = svc.buffer.journal
-    if journal is None:
+    store = svc.buffer.journal
+    if store is None:
         raise NeedsDataDir("export")
     lines = export_log.read(
-        journal.database,
+        store,
         since.timestamp() if since else None,
         until.timestamp() if until else None,
         task_type,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
 from typing import Any, TypeVar
 
 import httpx
@@ -17,23 +16,16 @@ import orjson
 from tenacity import retry_if_exception_type, stop_after_attempt, stop_before_delay, stop_never
 from tenacity.stop import stop_base
 
+from buffer.keys import key_or_env
 from buffer.trainer.client.calls import Call
 from buffer.trainer.client.errors import BufferClientError, BufferUnavailableError
 from buffer.trainer.client.retries import RetryableStatus, RetryWait, log_retry
 
 _T = TypeVar("_T")
 
-#: Where a client finds the key when none is passed: one variable for a trainer and its generators.
-API_KEY_VARIABLE = "ROLLOUT_BUFFER_API_KEY"
-
 #: How long a failing request is retried by default: longer than the service takes to restart
 #: (a crash, a deploy, a journal to replay), so a trainer rides it out instead of dying.
 DEFAULT_MAX_RETRY_S = 60.0
-
-
-def key_or_env(api_key: str | None) -> str | None:
-    """``api_key``; when it is None, the ``ROLLOUT_BUFFER_API_KEY`` variable (None if unset)."""
-    return os.environ.get(API_KEY_VARIABLE) if api_key is None else api_key
 
 
 class ClientBase:

@@ -12,9 +12,10 @@ import pytest
 
 from buffer.core.rollout_buffer import RolloutBuffer
 from buffer.service.gateway.assembly import assemble
+from buffer.service.gateway.calls import Call
 from buffer.service.gateway.images import ImagePolicy, ImageTooLarge
 from buffer.service.gateway.proxy import for_agent, stream_chunks
-from buffer.service.gateway.sessions import EVENT_KIND, Call, SessionStore
+from buffer.service.gateway.sessions import EVENT_KIND, SessionStore
 from buffer.service.gateway.tree import continued, parent_of, path_to
 from buffer.store.sqlite import Journal
 

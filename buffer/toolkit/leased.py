@@ -1,5 +1,6 @@
 """A worker's side of the work leases (``buffer.workers.leases``): which samples of the plan it
-makes.
+makes. It walks the toolkit's ``Plan``, for the toolkit's runner, so it lives in the toolkit;
+the board, the service's, is reached through the job (``buffer.current``) or over HTTP.
 
 ``leases`` (``data["leases"]``, set by the service for a job's workers, or by ``rollout-buffer
 worker --leases``) names the worker, its ``index`` among ``count`` workers, the ``ttl_s`` of its
@@ -30,17 +31,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
-from buffer.trainer.client.base import key_or_env
-from buffer.workers.leases import LeaseBoard, item_key, split_key
+from buffer.current import current_job
+from buffer.keys import key_or_env
+from buffer.lease_terms import DEFAULT_CHUNK, item_key, split_key
+from buffer.toolkit.dataset import Plan
+from buffer.toolkit.types import Sample
 
-if TYPE_CHECKING:  # the toolkit imports the service's jobs, which import this package
-    from buffer.service.jobs import Job
-    from buffer.toolkit.dataset import Plan
-    from buffer.toolkit.types import Sample
+if TYPE_CHECKING:  # the board is the service's: a generator in its process is handed it
+    from buffer.workers.leases import LeaseBoard
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK = 64
 #: Plans of at most this many items have the others' tails walked (a share is held in memory).
 MAX_TAIL_PLAN = 200_000
 #: A worker waiting for the others polls for orphans at least this often.
@@ -121,29 +122,10 @@ class HttpLeases:
         await self._http.aclose()
 
 
-def lease_settings(
-    worker: str, ttl_s: float, num_process: Any, *, url: str | None = None, index: int = 0, count: int = 1
-) -> dict[str, Any]:
-    """What ``leased`` reads from ``data["leases"]``: the worker's name (unique to it), its
-    leases' ``ttl_s``, the buffer's ``url`` (none for a worker in the service's process), its
-    ``index`` among ``count`` workers, and the ``chunk`` it claims at once: half of the
-    ``num_process`` trajectories it keeps in flight, so claims cost little per trajectory and a
-    lost worker leaves few unstarted items held."""
-    try:
-        chunk = max(16, min(1024, int(num_process) // 2))
-    except (TypeError, ValueError):
-        chunk = DEFAULT_CHUNK
-    settings: dict[str, Any] = {"worker": worker, "ttl_s": ttl_s, "index": index, "count": count}
-    settings["chunk"] = chunk
-    if url is not None:
-        settings["url"] = url
-    return settings
-
-
 def lease_client(task_type: str, leases: dict[str, Any]) -> Leases:
     """The board of the service running this worker's job in this process, else HTTP."""
     worker, ttl_s = str(leases["worker"]), float(leases.get("ttl_s", 30))
-    job = _job()
+    job = current_job()
     if job is not None and job.lease_board is not None and not job.in_worker:
         return BoardLeases(job.lease_board, task_type, worker, ttl_s)
     return HttpLeases(str(leases["url"]), task_type, worker, ttl_s)
@@ -210,7 +192,7 @@ async def leased(plan: Plan, task_type: str, leases: dict[str, Any]) -> AsyncIte
                 return
             await asyncio.sleep(min(client.ttl_s / 4, MAX_POLL_S))
     finally:
-        job = _job()
+        job = current_job()
         if walked and job is not None:
             # What it still has in flight stays its own until written (a long rollout may take
             # more than its lease): the heartbeat renews it until the run ends, with the event
@@ -230,12 +212,6 @@ async def _heartbeat(client: Leases) -> None:
                 await client.claim([])
     finally:
         await client.aclose()
-
-
-def _job() -> Job | None:
-    from buffer.service.jobs import current_job  # the jobs module imports this package
-
-    return current_job()
 
 
 def _chunks(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:

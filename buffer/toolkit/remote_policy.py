@@ -5,6 +5,10 @@ keeps a ``Gate`` of its own in step with the service's by long-polling ``GET /po
 (a pause reaches it as soon as the service has it), and asks ``POST /policy/admit`` before
 each group. A request already sent when a pause comes is not counted by the service's
 ``drain``; in ``abort`` mode the engines abort it, and it is continued after the resume.
+
+It lives in the toolkit, not in ``buffer.policy``: it is generation-side code (the runner uses
+it when the buffer it writes to is in another process), and it speaks HTTP, which the policy,
+like the core, does not.
 """
 
 from __future__ import annotations

@@ -1,0 +1,99 @@
+"""The job whose generator is running here: what the generator side may know of it.
+
+A generator, and the toolkit code it calls, sometimes needs the job it runs in: where the
+buffer is, whether it runs in a worker process, where to put its progress, whether it was
+asked to stop. It finds it with ``current_job()``, a ``JobContext`` or None (run by hand,
+outside any job). This module is that one fact and nothing else, and imports only the standard
+library (as celery's ``_state`` holds the current app and task): the toolkit and the worker
+processes depend on it, never on the service that runs the jobs. A worker process starts in
+a few milliseconds because importing this does not import the service.
+
+Who sets it:
+
+- the service, for a job running in its own process (``isolation="inline"``): its ``Job``
+  (``buffer.service.jobs``) *is* a ``JobContext`` (a subclass, adding what only the service
+  reads: status, timings, workers), with the service's in-process ``writer`` and its
+  ``lease_board``;
+- a worker process (``buffer.workers.child``), for the generator it runs: a plain
+  ``JobContext`` built from its ``WorkerSpec``, ``in_worker`` set, writing over HTTP.
+
+The value is a ``ContextVar``: an asyncio task, or a thread started with
+``contextvars.copy_context()``, sees the job of the code that started it; two jobs inline in
+one service never see each other's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+if TYPE_CHECKING:  # types only: this leaf imports nothing of the package at run time
+    from buffer.toolkit.sink import TrajectorySink
+    from buffer.workers.leases import LeaseBoard
+
+
+@dataclass(eq=False)
+class JobContext:
+    """The generator-facing part of a job."""
+
+    id: str
+    task_type: str
+    generator_file: str
+    #: The ``/start_rollout`` payload the generator runs with (as the service checked it).
+    data: dict[str, Any]
+    #: The service's own address: where a generator of the job writes, reads the policy, opens
+    #: gateway sessions when it names no other buffer.
+    buffer_url: str | None = None
+    #: Running in a worker process of the service: its sink writes to ``buffer_url`` over HTTP.
+    in_worker: bool = False
+    #: What a sink for this service is, in the service's own process (handed over by the
+    #: service: no HTTP round trip). None in a worker process.
+    writer: TrajectorySink | None = field(default=None, repr=False)
+    #: Hosts (lower case) a ``remote_buffer_url`` may name to be sent the service's own API key
+    #: (``--send-api-key-to``); to any other, only a key the client gave itself.
+    api_key_hosts: frozenset[str] = frozenset()
+    #: The toolkit's counts, for ``GET /jobs/{id}`` (a worker process publishes them to a file).
+    progress: dict[str, Any] = field(default_factory=dict)
+    #: The service's lease board, for a generator running in the service's own process.
+    lease_board: LeaseBoard | None = field(default=None, repr=False)
+    #: Tasks its generator leaves running until the run ends (the leases' heartbeat).
+    background: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
+    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def cancel_requested(self) -> bool:
+        """Whether the job was cancelled: a sync generator (which no one can interrupt inline)
+        may look at it and return."""
+        return self._cancel.is_set()
+
+    def request_cancel(self) -> None:
+        """Mark the job cancelled (the service's cancel, a worker's SIGTERM); thread-safe."""
+        self._cancel.set()
+
+    def may_send_api_key(self, url: str) -> bool:
+        """Whether the service's own key may go to ``url`` (one of ``api_key_hosts``)."""
+        return (urlsplit(url).hostname or "").lower() in self.api_key_hosts
+
+
+_current: contextvars.ContextVar[JobContext | None] = contextvars.ContextVar("current_job", default=None)
+
+
+def current_job() -> JobContext | None:
+    """The job whose generator is running in this context, if any."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def running(job: JobContext) -> Iterator[JobContext]:
+    """Make ``job`` the current job in this context until the block ends (then the one before)."""
+    token = _current.set(job)
+    try:
+        yield job
+    finally:
+        _current.reset(token)

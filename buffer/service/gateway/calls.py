@@ -1,0 +1,49 @@
+"""One recorded chat completion of a session (``Call``), and its form in the journal.
+
+A leaf: the sessions' state (``sessions``), the tree of calls (``tree``), the trajectory
+(``assembly``) and the gateway (``service``) all read calls; a call knows none of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+
+@dataclass(slots=True)
+class Call:
+    """One chat completion the agent made: what the engine was sent and what it answered.
+
+    ``messages`` are those after the parent's messages and reply (all of them for a root):
+    a session of n turns keeps each message once, not n times (``tree.whole_messages``)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    sampling: dict[str, Any]
+    reply: dict[str, Any]  # the assistant message, as the engine answered it
+    finish_reason: str
+    #: prompt_ids, output_ids, output_logprobs, weight_version; None from an engine without ids
+    tokens: dict[str, Any] | None
+    parent: int | None
+    at: float
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(
+            {
+                "messages": self.messages,
+                "tools": self.tools,
+                "sampling": self.sampling,
+                "reply": self.reply,
+                "finish_reason": self.finish_reason,
+                "tokens": self.tokens,
+                "parent": self.parent,
+                "at": self.at,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Call:
+        data = orjson.loads(raw)
+        return cls(**data)

@@ -1,0 +1,107 @@
+"""The data folder's SQLite database: its tables, how it is opened and locked, bulk inserts.
+
+    DATA_DIR/
+      LOCK                 flock-ed while a service uses the folder
+      buffer.sqlite3       (with -wal and -shm beside it while open)
+        events(id, header, payload)      the changes since the snapshot, in order, ids dense
+        snapshot(id, header, payload)    the whole state as of the events it replaced
+        delivered(id, read_id, delivered_at, task_type, instance_id, trajectory)   the export
+        meta(key, value)                 the format, the last event id, what the snapshot covers
+
+What the journal (``sqlite``), the migration of the former journal files (``migration``) and
+``rollout-buffer check`` (``check``) share, so that none of them imports another for it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+DATABASE = "buffer.sqlite3"
+FORMAT_VERSION = 1
+_WAL_LIMIT_BYTES = 64 * 2**20
+#: The page size of a new database (an existing one keeps its own). A record (a trajectory,
+#: about 2 KB) would take most of a 4 KB page, each written to the WAL by its own syscalls
+#: and copied again at each checkpoint; 16 KB pages hold several, which cut the writer's CPU
+#: per commit. Larger pages cost more than they save: each commit writes whole pages.
+PAGE_SIZE = 16384
+
+LOG_COLUMNS = "(id INTEGER PRIMARY KEY, header TEXT NOT NULL, payload BLOB NOT NULL)"
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events {LOG_COLUMNS};
+CREATE TABLE IF NOT EXISTS snapshot {LOG_COLUMNS};
+CREATE TABLE IF NOT EXISTS delivered (
+    id INTEGER PRIMARY KEY,
+    read_id INTEGER NOT NULL,
+    delivered_at REAL NOT NULL,
+    task_type TEXT NOT NULL,
+    instance_id NOT NULL,
+    trajectory TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS delivered_at ON delivered (delivered_at);
+"""
+#: The export table with the columns an insert fills.
+DELIVERED = "delivered (read_id, delivered_at, task_type, instance_id, trajectory)"
+
+
+class JournalCorrupt(Exception):
+    """The data folder is damaged: the start-up stops, naming the file and the problem.
+    ``rollout-buffer check DIR --repair`` salvages what can be read."""
+
+
+def connect(path: Path, *, sync: bool = True, readonly: bool = False) -> sqlite3.Connection:
+    """A connection in autocommit mode (transactions are explicit), WAL, and the
+    ``synchronous`` level the durability asks for."""
+    if readonly:
+        connection = sqlite3.connect(
+            f"file:{path}?mode=ro", uri=True, isolation_level=None, check_same_thread=False
+        )
+    else:
+        connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    connection.execute("PRAGMA busy_timeout = 60000")
+    if not readonly:
+        connection.execute(f"PRAGMA page_size = {PAGE_SIZE}")  # a new database only
+        connection.execute("PRAGMA journal_mode = WAL")
+        connection.execute(f"PRAGMA synchronous = {'FULL' if sync else 'NORMAL'}")
+        connection.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT_BYTES}")  # after a big compaction
+    return connection
+
+
+def lock_folder(path: Path) -> BinaryIO:
+    """Hold ``path`` (the folder's ``LOCK``) until the file returned is closed: one service
+    at a time uses a data folder."""
+    file = path.open("ab")
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.close()
+        raise RuntimeError(f"{path.parent} is in use by another rollout buffer (it holds {path})") from None
+    return file
+
+
+#: Rows per INSERT at most (SQLite allows 32766 values in a statement).
+_ROWS_PER_INSERT = 512
+
+
+def insert(db: sqlite3.Connection, into: str, rows: Sequence[tuple[Any, ...]]) -> None:
+    """Insert ``rows`` in a few multi-row statements, not one step per row (``executemany``):
+    each step lets go of the GIL and takes it back, a handover with the event loop per row.
+    The statements hold a power of two of rows each, so only a few texts are ever prepared
+    (and cached)."""
+    start = 0
+    while start < len(rows):
+        count = min(_ROWS_PER_INSERT, 1 << (len(rows) - start).bit_length() - 1)
+        chunk = rows[start : start + count]
+        db.execute(_insert_sql(into, len(chunk[0]), count), [value for row in chunk for value in row])
+        start += count
+
+
+@functools.cache
+def _insert_sql(into: str, width: int, rows: int) -> str:
+    one = "(" + ", ".join("?" * width) + ")"
+    return f"INSERT INTO {into} VALUES " + ", ".join([one] * rows)
