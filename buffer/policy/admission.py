@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from buffer.policy.signal import Signal
+from buffer.signal import Signal
 
 
 class Admits(Protocol):

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from buffer.policy.signal import Signal
+from buffer.signal import Signal
 
 #: The versions the requests of the current rollout started under, in order (``recording``).
 _versions: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("policy_versions", default=None)

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from buffer.errors import RolloutBufferError
 from buffer.policy.admission import Admission
 from buffer.policy.gate import Gate
-from buffer.policy.signal import Signal
+from buffer.signal import Signal
 
 PauseMode = Literal["abort", "drain"]
 #: Upper bounds of the served-lag histogram (versions; +Inf implied).

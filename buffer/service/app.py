@@ -19,7 +19,6 @@ from starlette.responses import Response
 from buffer import __version__
 from buffer.core.registry import GeneratorRegistry
 from buffer.core.rollout_buffer import RolloutBuffer
-from buffer.core.signals import ReadySignal
 from buffer.errors import InvalidInput, RolloutBufferError
 from buffer.logs import RequestIdMiddleware
 from buffer.service.gateway.images import ImagePolicy
@@ -54,6 +53,7 @@ from buffer.service.security import (
 )
 from buffer.service.services import Services, local_url
 from buffer.service.settings import Settings
+from buffer.signal import Signal
 from buffer.store.base import Store
 from buffer.store.sqlite import Journal
 
@@ -79,7 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         policy = JobPolicy.from_settings(settings)
         gateway = _gateway(buffer, settings, policy)  # before the restore: it replays the sessions
         store = await asyncio.to_thread(_restore, buffer, settings)
-        ready = ReadySignal()
+        ready = Signal()
         buffer.add_listener(ready.notify)
         job_manager = JobManager(
             buffer,

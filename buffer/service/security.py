@@ -24,6 +24,7 @@ import logging
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from buffer.keys import API_KEY_VARIABLE
 from buffer.service.responses import envelope
 from buffer.service.settings import Settings
 
@@ -35,7 +36,6 @@ OPEN_METHODS = frozenset({"GET", "HEAD"})
 #: Pages a browser opens: their 401 asks for Basic credentials, which makes it show a login form.
 BROWSER_PREFIX = "/dashboard"
 BASIC_CHALLENGE = 'Basic realm="rollout-buffer"'
-API_KEY_VARIABLE = "ROLLOUT_BUFFER_API_KEY"
 MISSING_KEY = "missing API key: send 'Authorization: Bearer <key>'"
 MISSING_LOGIN = "missing API key: log in with any user name and the API key as password"
 

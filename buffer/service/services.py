@@ -10,11 +10,11 @@ from starlette.requests import Request
 
 from buffer.core.registry import GeneratorRegistry
 from buffer.core.rollout_buffer import RolloutBuffer
-from buffer.core.signals import ReadySignal
 from buffer.errors import UnknownTask
 from buffer.service.history import History
 from buffer.service.jobs import JobManager
 from buffer.service.settings import Settings
+from buffer.signal import Signal
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +23,7 @@ class Services:
     buffer: RolloutBuffer
     registry: GeneratorRegistry
     jobs: JobManager
-    ready: ReadySignal
+    ready: Signal
     history: History
     stopping: threading.Event = field(default_factory=threading.Event)
 

@@ -1,10 +1,19 @@
-"""A wake-up call that works across threads and event loops."""
+"""A wake-up call that works across threads and event loops: the one the service uses.
+
+The buffer's core is called from generator threads as well as the event loop, and the policy's
+gate is awaited on the loops of the service and of in-process generators alike, so each waiter
+keeps a ticket (a future on its own loop) and ``notify`` resolves every ticket thread-safely. The
+long-polling reads wait on one (``wait_until``: ready items), the policy on three (the gate's
+opening, its idleness, admission), the trainer's watch on another (a policy change).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import threading
+import time
+from collections.abc import Callable
 
 
 class Ticket:
@@ -47,6 +56,21 @@ class Signal:
     async def wait(self, timeout_s: float | None = None) -> None:
         """Return at the next ``notify``, or after ``timeout_s``."""
         await self.ticket().wait(timeout_s)
+
+    async def wait_until(self, condition: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for ``condition()``, checked at each ``notify``; returns its
+        last value. The ticket is taken before each check, so a notify in between is not missed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ticket = self.ticket()
+            if condition():
+                ticket.cancel()
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                ticket.cancel()
+                return False
+            await ticket.wait(remaining)
 
     def _forget(self, ticket: Ticket) -> None:
         with self._lock, contextlib.suppress(ValueError):
