@@ -3,7 +3,8 @@
 ``calculator_agent`` is an ordinary agent loop written against the ``openai`` package (streamed
 answers, a calculator tool): nothing in it knows about RL. ``run_rollout`` runs it against a
 fresh gateway session per sample (``gateway_session``), which records every call with its
-token ids, and scores the answer; ending the session writes the trajectory to its group.
+token ids, and scores the answer; ending the session writes the trajectory to its group, in the
+job's task: ``data["task_type"]``, which is the ``rollout_name`` when the trainer gave one.
 
 It needs the ``openai`` package: ``pip install 'rollout-buffer[openai]'`` (the ``dev`` extra has
 it too). The import is inside the agent, so the service loads this file on any install; without
@@ -98,7 +99,7 @@ async def run_rollout(data: dict[str, Any]) -> None:
             limit,
             gateway_session(
                 data.get("remote_buffer_url"),
-                TASK_TYPE,
+                data.get("task_type") or TASK_TYPE,  # the rollout_name this job runs under, if any
                 row["instance_id"],
                 remote_engine_url=data.get("remote_engine_url"),
                 metadata={"label": row.get("label")},

@@ -37,6 +37,9 @@ class Policy:
         self.gate = Gate(clock)
         self.mode: PauseMode | None = None
         self.engine_urls: list[str] = []
+        #: The engines' kind as the trainer said it ("auto": found per URL), and as found.
+        self.engine_kind = "auto"
+        self.engine_kinds: dict[str, str] = {}
         self.admissions: dict[str, Admission] = {}
         #: Served groups by version lag (trainer's version - the group's lowest).
         self.lag: Counter[int] = Counter()
@@ -127,6 +130,7 @@ class Policy:
                 "paused": self.gate.paused,
                 "mode": self.mode,
                 "engine_urls": list(self.engine_urls),
+                "engine_kinds": dict(self.engine_kinds),
                 "gate": self.gate.snapshot(),
                 "served_groups": dict(self.served_groups),
                 "shares": {task: round(n / total, 4) for task, n in self.served_groups.items()}

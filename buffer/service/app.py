@@ -27,6 +27,7 @@ from buffer.service.gateway.service import Gateway, GatewayConfig
 from buffer.service.history import History
 from buffer.service.job_policy import JobPolicy
 from buffer.service.jobs import JobManager
+from buffer.service.metrics import watch_logprobs
 from buffer.service.models import TRAJECTORY, invalid_input
 from buffer.service.responses import envelope
 from buffer.service.routes import (
@@ -92,6 +93,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ray_address=settings.ray_address,
         )
         buffer.write_observers.append(job_manager.leases.observe)
+        watch_logprobs(buffer)  # counted from the first write, not the first scrape
         if store is not None:
             await job_manager.resume(registry, enabled=settings.resume_jobs)
         history = History()

@@ -1,7 +1,10 @@
 """The service's Prometheus metrics, read at scrape time.
 
-Nothing here runs on the write path: ``BufferCollector.collect`` reads the buffer's counters
-(``RolloutBuffer.stats()``) and every job's published progress when ``/metrics`` is scraped.
+``BufferCollector.collect`` reads the buffer's counters (``RolloutBuffer.stats()``) and every
+job's published progress when ``/metrics`` is scraped. One count is kept on the write path,
+by a write observer the app registers at start (``watch_logprobs``): trajectories written with
+token logprobs, by what those are (``buffer.logprob_kinds``: only ``sampling`` ones reach a
+trainer as rollout logprobs).
 
 The LLM figures (requests, retries, failed trajectories, latency histogram, throughput, answers
 by finish_reason, answer lengths) are
@@ -12,8 +15,9 @@ leaves its counters (Prometheus reads that as a counter reset).
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client.core import (
@@ -26,6 +30,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from buffer.core.rollout_buffer import RolloutBuffer
+from buffer.logprob_kinds import KINDS, turn_kind
 from buffer.policy.metrics import policy_metrics
 from buffer.service.jobs import JobManager, JobStatus
 
@@ -45,17 +50,68 @@ JOB_COUNTERS = {
 }
 
 
+class WrittenLogprobs:
+    """Trajectories written with token logprobs, by task and what the logprobs are: ``raw`` if
+    any turn's are known not to be the sampling distribution's, else ``unknown`` if any turn's
+    cannot be known (or do not say), else ``sampling``. A write observer of the buffer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[tuple[str, str]] = Counter()
+
+    def observe(self, task_type: str, item: Mapping[str, Any]) -> None:
+        turns = item.get("turns")
+        if not turns:
+            return
+        kinds = {turn_kind(turn) for turn in turns}
+        kind = next((name for name in ("raw", "unknown", "sampling") if name in kinds), None)
+        if kind is not None:
+            with self._lock:
+                self._counts[task_type, kind] += 1
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+def watch_logprobs(buffer: RolloutBuffer) -> WrittenLogprobs:
+    """The buffer's count of written logprobs, registered as its write observer on first call."""
+    for observe in buffer.write_observers:
+        owner = getattr(observe, "__self__", None)
+        if isinstance(owner, WrittenLogprobs):
+            return owner
+    written = WrittenLogprobs()
+    buffer.write_observers.append(written.observe)
+    return written
+
+
 class BufferCollector(Collector):
     """Every metric of one service, built afresh from its buffer and jobs on each scrape."""
 
     def __init__(self, buffer: RolloutBuffer, jobs: JobManager) -> None:
         self._buffer = buffer
         self._jobs = jobs
+        self._logprobs = watch_logprobs(buffer)
 
     def collect(self) -> Iterator[Metric]:
         yield from self._buffer_metrics(self._buffer.stats())
+        yield self._logprobs_metric()
         yield from self._job_metrics()
         yield from policy_metrics(PREFIX, self._buffer.policy.snapshot())
+
+    def _logprobs_metric(self) -> Metric:
+        family = _counter(
+            "trajectories_logprobs",
+            "Trajectories written with token logprobs, by what they are: sampling (the sampling "
+            "distribution's, handed to a trainer), raw (known not to be: the engine took them before "
+            "the temperature or filters the request set), unknown (cannot be known, or not said)",
+            ["task", "kind"],
+        )
+        counts = self._logprobs.counts()
+        for task in sorted({task for task, _ in counts}):
+            for kind in KINDS:
+                family.add_metric([task, kind], counts.get((task, kind), 0))
+        return family
 
     def _buffer_metrics(self, stats: dict[str, Any]) -> Iterator[Metric]:
         tasks: dict[str, dict[str, Any]] = stats["tasks"]

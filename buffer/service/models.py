@@ -35,6 +35,7 @@ from buffer import storable
 from buffer.core.task import TaskSettings
 from buffer.encoding import INT64_MAX, INT64_MIN
 from buffer.errors import InvalidInput
+from buffer.logprob_kinds import LogprobsKind, LogprobsMode
 
 _T = TypeVar("_T")
 _N = TypeVar("_N", int, int | None)
@@ -110,8 +111,12 @@ class Turn(TypedDict):
     prompt_ids: list[TokenId]
     prompt_offset: NotRequired[Count]
     output_ids: list[TokenId]
-    #: The sampling logprob of each output id, or null when the engine gave none.
+    #: The engine's logprob of each output id, or null when the engine gave none.
     output_logprobs: NotRequired[list[FiniteNumber] | None]
+    #: What ``output_logprobs`` are: the sampling distribution's, known not to be (``raw``: before
+    #: the temperature or filters the request set), or ``unknown`` (absent: unknown). Only sampling
+    #: logprobs are handed to a trainer as rollout logprobs (``buffer.logprob_kinds``).
+    logprobs: NotRequired[LogprobsKind | None]
     finish_reason: FinishReason
     #: The index in ``messages`` of the assistant message this turn produced.
     message_index: Count
@@ -311,6 +316,11 @@ class StartRolloutRequest(TaskGrouping):
     remote_buffer_url: str | None = None
     input_file: str | None = None
     sampling_params: dict[str, Any] | None = None
+    logprobs_mode: LogprobsMode | None = Field(
+        None,
+        description="the engine's logprobs mode as it was started (vLLM's --logprobs-mode; "
+        "raw_logprobs for SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB); null: the engine's default",
+    )
     restart: bool = Field(False, description="cancel the task's running job and start a new one")
     rollout_name: Annotated[StrictStr, Field(min_length=1)] | None = Field(
         None,

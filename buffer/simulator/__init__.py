@@ -13,6 +13,7 @@ the ``sim`` extra. It imports nothing of the service.
     conversation.py  a rendered prompt read back into messages; the model's output parsed
     model.py         SimModel: rendering prompts, encoding and decoding, the reply a prompt ends in
     replies.py       what the model says, as token ids: drafts, stops, truncation, aborts, logprobs
+    sampling.py      what sampling does to a token's logprob (temperature, top-p, top-k, min-p)
     tokenizer.py     the built-in tokenizer and chat templates; ``python -m ...tokenizer DIR``
     protocol.py      the request models and the error bodies
     shapes.py        the answer pieces both engines write alike (logprobs, usage, meta_info)
@@ -22,7 +23,7 @@ the ``sim`` extra. It imports nothing of the service.
     streaming.py     the SSE chunks of ``stream=true``
     stats.py         the counters of GET /stats
     outage.py        an outage started at run time (POST /outage): 503s or dropped connections
-    control.py       SGLang's pause, continue and weight-update routes
+    control.py       the engine's pause and weight-update routes (SGLang's; vLLM's in dev mode)
     server.py        Simulator: the state, and every generation request's path (faults, latency)
     chat.py          POST /v1/chat/completions
     completions.py   the token routes: POST /v1/completions and POST /generate

@@ -3,8 +3,9 @@
 Routes: ``POST /v1/chat/completions`` (both engines, ``chat.py``), ``POST /v1/completions``
 (vLLM's, with a token-id prompt) and ``POST /generate`` (SGLang's native one), both in
 ``completions.py``; ``POST /update_weight_version``, ``GET /v1/models``, ``GET /health``,
-``GET /stats``, ``POST /stats/reset``, ``GET``/``POST /outage`` (see ``outage.py``), and SGLang's
-pause and weight-update controls (``control.py``). Every generation request takes the
+``GET /stats``, ``POST /stats/reset``, ``GET``/``POST /outage`` (see ``outage.py``), and the
+imitated engine's pause and weight-update controls (``control.py``: SGLang's, or vLLM's with
+``--dev-mode``). Every generation request takes the
 simulator's common path (``server.Simulator.serve``): faults, latency, counters.
 """
 
@@ -46,7 +47,7 @@ def create_sim_app(config: SimConfig | None = None, model: SimModel | None = Non
     app.state.stats = stats
     app.state.outage = outage
     app.state.simulator = sim
-    install_control(app, sim)
+    install_control(app, sim, sim.dialect.name, config.dev_mode)
 
     @app.get("/health")
     async def health() -> Response:

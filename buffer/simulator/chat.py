@@ -17,6 +17,7 @@ from starlette.responses import Response
 from buffer.simulator.conversation import parse_output
 from buffer.simulator.protocol import ChatRequest, stop_strings
 from buffer.simulator.replies import Limits
+from buffer.simulator.sampling import SamplingFields
 from buffer.simulator.server import Answer, Simulator
 from buffer.simulator.shapes import ChatChoice, chat_logprobs, new_call_ids, output_text, usage
 from buffer.simulator.streaming import Chunk, chat_chunks
@@ -45,6 +46,7 @@ def prepare_chat(sim: Simulator, request: ChatRequest, reply_rng: random.Random)
             open_reply.ids if open_reply else None,
             open_reply.text if open_reply else None,
             logprobs=request.logprobs,
+            sampling=SamplingFields.of(request.model_extra),
         )
         raw = output_text(model, generation, skip_special_tokens=True, keep_stop=False)
         output = parse_output(raw, thinking and raw.startswith("<think>"))

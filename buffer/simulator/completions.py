@@ -16,6 +16,7 @@ from starlette.responses import Response
 
 from buffer.simulator.protocol import CompletionRequest, GenerateRequest, stop_strings
 from buffer.simulator.replies import Limits
+from buffer.simulator.sampling import SamplingFields
 from buffer.simulator.server import Answer, Simulator, json_response
 from buffer.simulator.shapes import completion_logprobs, meta_info, output_text, stop_reason, usage
 from buffer.simulator.streaming import Chunk, completion_chunks, generate_chunks
@@ -39,6 +40,7 @@ def prepare_completion(
             prompt.partial_ids,
             prompt.partial_text,
             logprobs=request.logprobs is not None,
+            sampling=SamplingFields.of(request.model_extra),
         )
         for _ in range(request.n)
     ]
@@ -113,6 +115,7 @@ def prepare_generate(sim: Simulator, request: GenerateRequest, reply_rng: random
         prompt.partial_ids,
         prompt.partial_text,
         logprobs=request.return_logprob,
+        sampling=SamplingFields.of(params),
     )
     skip_special_tokens = bool(params.get("skip_special_tokens", True))
     text = output_text(model, generation, skip_special_tokens, keep_stop=bool(params.get("no_stop_trim")))

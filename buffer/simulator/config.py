@@ -35,6 +35,20 @@ class SimConfig(BaseSettings):
         description="the engine imitated: where token ids and logprobs go, its errors (vllm: 404 for "
         "an unknown model)",
     )
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"] | None = (
+        Field(
+            default=None,
+            description="the engine's logprobs mode; null: its default. vLLM's --logprobs-mode "
+            "(default raw_logprobs: before temperature and top-p/top-k; processed_logprobs: what it samples "
+            "from); with --engine sglang, raw_logprobs is SGLANG_RETURN_ORIGINAL_LOGPROB=1 (before "
+            "temperature), else SGLang's own (after temperature, before top-p/top-k/min-p)",
+        )
+    )
+    dev_mode: CliImplicitFlag[bool] = Field(
+        default=False,
+        description="vLLM's VLLM_SERVER_DEV_MODE=1: serve its development routes, /pause, /resume and "
+        "/is_paused among them (with --engine vllm; 404 without, as vLLM)",
+    )
     tokenizer_path: str | None = Field(
         default=None, description="a tokenizer directory (save_pretrained); default: the built-in one"
     )

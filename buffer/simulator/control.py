@@ -1,13 +1,21 @@
-"""SGLang's weight-update controls, simulated: pause, continue, update weights from disk.
+"""The engines' weight-update controls, simulated: pause and resume, update weights from disk.
 
-- ``POST /pause_generation {"mode": "abort" | "in_place" | "retract"}``: requests arriving
-  while paused wait for ``/continue_generation``; with ``abort`` (SGLang's default) every
-  request in flight is answered at once with ``finish_reason: "abort"`` and the tokens it had
-  so far, as SGLang aborts them.
-- ``POST /continue_generation``: requests go on.
-- ``POST /update_weights_from_disk {"model_path", "weight_version"?, "abort_all_requests"?}``:
-  the reported weight version becomes the one given, else the next integer.
-- ``GET /get_weight_version`` answers it; ``GET /control`` the pause state and counters.
+Each engine's routes, served only where the imitated engine serves them (a 404 for the other's):
+
+- SGLang: ``POST /pause_generation {"mode": "abort" | "in_place" | "retract"}``: requests
+  arriving while paused wait for ``POST /continue_generation``; with ``abort`` (SGLang's
+  default) every request in flight is answered at once with ``finish_reason: "abort"`` and the
+  tokens it had so far, as SGLang aborts them. ``POST /update_weights_from_disk {"model_path",
+  "weight_version"?, "abort_all_requests"?}``: the reported weight version becomes the one
+  given, else the next integer; ``GET /get_weight_version`` answers it.
+- vLLM (0.32, only with ``VLLM_SERVER_DEV_MODE=1``: ``--dev-mode`` here;
+  ``entrypoints/rl/online/api_router.py``): ``POST /pause?mode=abort|wait|keep`` (``abort`` by
+  default; ``wait`` answers once what is in flight has finished; ``keep`` freezes it) answers
+  ``{"status": "paused"}``, ``POST /resume`` ``{"status": "resumed"}``, ``GET /is_paused``
+  ``{"is_paused": ...}``. Requests arriving while paused wait for the resume, as vLLM's
+  scheduler holds them.
+
+``GET /control`` (the simulator's own) answers the pause state and counters.
 """
 
 from __future__ import annotations
@@ -16,9 +24,9 @@ import asyncio
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
 from pydantic import BaseModel, ConfigDict
 from starlette.responses import JSONResponse, Response
 
@@ -61,6 +69,11 @@ class Control:
         self._resumed.clear()
         if mode == "abort":
             self.abort_all()
+
+    async def drained(self) -> None:
+        """Wait until no request is in flight (its latency slept through)."""
+        while self._sleeping:
+            await asyncio.gather(*list(self._sleeping), return_exceptions=True)
 
     def resume(self) -> None:
         self.paused = False
@@ -120,8 +133,44 @@ class Controlled(Protocol):
     weight_version: str
 
 
-def install_control(app: FastAPI, sim: Controlled) -> None:
-    """Add the control routes to the simulator ``app``."""
+def install_control(app: FastAPI, sim: Controlled, engine: str, dev_mode: bool = False) -> None:
+    """Add the control routes of ``engine`` to the simulator ``app`` (vLLM's with ``dev_mode``)."""
+    control = sim.control
+
+    @app.get("/control")
+    async def get_control() -> Response:
+        return JSONResponse({**control.snapshot(), "weight_version": sim.weight_version})
+
+    if engine == "sglang":
+        _sglang_routes(app, sim)
+    elif engine == "vllm" and dev_mode:
+        _vllm_routes(app, sim)
+
+
+def _vllm_routes(app: FastAPI, sim: Controlled) -> None:
+    control = sim.control
+
+    @app.post("/pause")
+    async def pause(
+        mode: Annotated[Literal["abort", "wait", "keep"], Query()] = "abort",
+        clear_cache: Annotated[bool, Query()] = True,
+    ) -> Response:
+        control.pause("abort" if mode == "abort" else "hold")
+        if mode == "wait":
+            await control.drained()
+        return JSONResponse({"status": "paused"})
+
+    @app.post("/resume")
+    async def resume() -> Response:
+        control.resume()
+        return JSONResponse({"status": "resumed"})
+
+    @app.get("/is_paused")
+    async def is_paused() -> Response:
+        return JSONResponse({"is_paused": control.paused})
+
+
+def _sglang_routes(app: FastAPI, sim: Controlled) -> None:
     control = sim.control
 
     @app.post("/pause_generation")
@@ -148,7 +197,3 @@ def install_control(app: FastAPI, sim: Controlled) -> None:
     @app.get("/get_weight_version")
     async def get_weight_version() -> Response:
         return JSONResponse({"weight_version": sim.weight_version})
-
-    @app.get("/control")
-    async def get_control() -> Response:
-        return JSONResponse({**control.snapshot(), "weight_version": sim.weight_version})

@@ -1,20 +1,27 @@
 """The engines the simulator imitates (``--engine``), by name, in one table: ``DIALECTS``.
 
-Every route is served whichever engine is imitated (``/generate`` is SGLang's and
-``/v1/completions`` vLLM's, and ``shapes.py`` writes them). What the engine changes is a chat
-answer and an error, one class per engine:
+Every generation route is served whichever engine is imitated (``/generate`` is SGLang's and
+``/v1/completions`` vLLM's, and ``shapes.py`` writes them); the pause routes are the imitated
+engine's only (``control.py``). What the engine changes is a chat answer, an error and what its
+logprobs are (``reported_logprobs``: vLLM's before temperature and filters unless
+``--logprobs-mode processed_logprobs``, SGLang's after temperature and before its filters;
+``sampling.py``), one class per engine:
 
 - vLLM puts ``prompt_token_ids`` at the top level and ``token_ids`` in the choice (with
   ``return_token_ids``), the reasoning in ``message.reasoning`` and its older name
   ``reasoning_content``, and the matched stop in ``stop_reason``; it answers an unknown model
   with a 404 and errors as ``{"error": {...}}``, and refuses ``continue_final_message`` with
-  ``add_generation_prompt``.
+  ``add_generation_prompt``. It continues a final assistant message through the chat template
+  (transformers' ``continue_final_message``): the template writes the reply so far again (Qwen3's
+  an empty think block before it), and a reply it does not find again is a 400.
 - SGLang puts ``prompt_token_ids`` (``return_prompt_token_ids``), ``token_ids``
   (``return_token_ids``) and ``meta_info`` (``return_meta_info``) in the choice, the reasoning
   in ``reasoning_content``, the matched stop (the end-of-turn id, or the string) in
   ``matched_stop``, ``metadata.weight_version`` at the top level and an ``index`` in each tool
   call; it serves any model name, answers errors flat (``{"object": "error", ...}``), and
-  refuses the ``return_*`` fields with ``stream``.
+  refuses the ``return_*`` fields with ``stream``. It continues a final assistant message by
+  rendering the conversation before it with the generation prompt and appending the reply's
+  text (``serving_chat.py``: ``_handle_last_assistant_message``).
 
 Adding an engine dialect: write one ``Dialect`` subclass here with what the engine does
 differently (the base class is what both engines above share), and add an instance to
@@ -29,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from buffer.simulator.protocol import ChatRequest, flat_error_body
 from buffer.simulator.replies import Generation
+from buffer.simulator.sampling import SamplingFields, sampling_logprob, tempered_logprob
 from buffer.simulator.shapes import ChatChoice, meta_info, stop_reason, tool_calls_body
 
 
@@ -38,6 +46,16 @@ class Dialect:
     name: ClassVar[str]
     #: ``error.type`` of a request whose body does not validate.
     invalid_request_type: ClassVar[str] = "BadRequestError"
+    #: How ``continue_final_message`` renders the reply so far: through the chat template
+    #: (``"template"``), or as its text after the generation prompt (``"prefix"``).
+    continues_by: ClassVar[Literal["template", "prefix"]] = "template"
+
+    def reported_logprobs(
+        self, raw: list[float], fields: SamplingFields, others: int, mode: str | None
+    ) -> list[float]:
+        """The logprobs the engine returns for sampled tokens whose raw logprobs are ``raw``, with
+        ``mode`` its logprobs mode (``--logprobs-mode``; None: the engine's default)."""
+        return raw
 
     def error_body(self, message: str, error_type: str, status: int, param: str | None) -> dict[str, Any]:
         """OpenAI's nested error shape, with the status as its code."""
@@ -101,6 +119,15 @@ class Dialect:
 class VLLM(Dialect):
     name = "vllm"
 
+    def reported_logprobs(
+        self, raw: list[float], fields: SamplingFields, others: int, mode: str | None
+    ) -> list[float]:
+        """Before temperature and filters (``raw_logprobs``, the default), or after them all
+        (``processed_logprobs``): ``v1/sample/sampler.py``, ``Sampler.forward``."""
+        if mode not in ("processed_logprobs", "processed_logits"):
+            return raw
+        return [sampling_logprob(value, others, fields) for value in raw]
+
     def refuses_model(self, model: str, served: str) -> bool:
         return bool(model) and model != served
 
@@ -144,6 +171,16 @@ class VLLM(Dialect):
 class SGLang(Dialect):
     name = "sglang"
     invalid_request_type = "invalid_request_error"
+    continues_by = "prefix"
+
+    def reported_logprobs(
+        self, raw: list[float], fields: SamplingFields, others: int, mode: str | None
+    ) -> list[float]:
+        """After temperature, before top-p, top-k and min-p; before temperature too with
+        ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (``raw_logprobs``): ``layers/sampler.py``."""
+        if mode == "raw_logprobs" or fields.greedy:
+            return raw
+        return [tempered_logprob(value, others, fields.temperature) for value in raw]
 
     def error_body(self, message: str, error_type: str, status: int, param: str | None) -> dict[str, Any]:
         return flat_error_body(message, error_type, status, param)

@@ -90,14 +90,19 @@ class SimModel:
         tools: list[dict[str, Any]] | None,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        prefix: str | None = None,
     ) -> list[int]:
         """The ids of ``apply_chat_template(messages, tools=tools, add_generation_prompt=True)``.
 
-        With ``continue_final_message``, the final assistant message is left open instead. Raises
-        ``ValueError`` for messages the template cannot render."""
+        With ``continue_final_message``, the final assistant message is left open instead, as
+        transformers renders it (vLLM's way: the template writes the reply so far again, and
+        refuses one it cannot find again). With ``prefix``, that text follows the generation
+        prompt (SGLang's way: ``messages`` without the reply so far, then the reply's text).
+        Either way the prompt is encoded as one text. Raises ``ValueError`` for messages the
+        template cannot render."""
         from jinja2 import TemplateError  # the sim extra's, as transformers is
 
-        key = orjson.dumps([messages, tools, continue_final_message, template_kwargs])
+        key = orjson.dumps([messages, tools, continue_final_message, template_kwargs, prefix])
         cached = self._rendered.get(key)
         if cached is None:
             try:
@@ -112,7 +117,7 @@ class SimModel:
             except TemplateError as exc:
                 raise ValueError(f"the chat template cannot render these messages: {exc}") from exc
             # What apply_chat_template(tokenize=True) does next, without its Python wrapping.
-            ids = array("i", self.encode(cast(str, text)))  # 4 bytes an id, not 36
+            ids = array("i", self.encode(cast(str, text) + (prefix or "")))  # 4 bytes an id, not 36
             cached = remember(self._rendered, key, ids, RENDER_CACHE_SIZE)
         return list(cached)
 

@@ -1,7 +1,8 @@
 """A request's prompt as the simulated model reads it, kept for the group's other samples.
 
-A chat request's messages are rendered with the chat template; a token prompt (``/generate``,
-``/v1/completions``) is decoded and read back into messages. Either way the model plans the
+A chat request's messages are rendered with the chat template (a final assistant message to
+continue, as the imitated engine renders it: ``engines.Dialect.continues_by``); a token prompt
+(``/generate``, ``/v1/completions``) is decoded and read back into messages. Either way the model plans the
 replies it may give (``replies.plan_reply``) and finds the assistant reply the prompt ends in,
 if any, to continue it. A group's samples send the same prompt, so each is read once: the last
 ``RENDER_CACHE_SIZE`` prompts of each kind are kept (the oldest dropped first).
@@ -16,6 +17,7 @@ from typing import Any
 import orjson
 
 from buffer.simulator.conversation import SimMessage, parse_prompt
+from buffer.simulator.engines import Dialect
 from buffer.simulator.model import RENDER_CACHE_SIZE, OpenReply, SimModel, remember
 from buffer.simulator.protocol import ChatMessage, ChatRequest
 from buffer.simulator.replies import ReplyPlan, plan_reply
@@ -44,8 +46,9 @@ class ChatPrompt:
 class Prompts:
     """The prompts read so far, of chat requests and of token prompts."""
 
-    def __init__(self, model: SimModel) -> None:
+    def __init__(self, model: SimModel, dialect: Dialect) -> None:
         self.model = model
+        self.dialect = dialect  # how a final assistant message is continued
         self._chat: dict[bytes, ChatPrompt] = {}
         self._tokens: dict[bytes, TokenPrompt] = {}
 
@@ -64,9 +67,13 @@ class Prompts:
         continuing = request.continue_final_message and request.messages[-1].role == "assistant"
         tools = request.tools or []
         template_kwargs = request.chat_template_kwargs or {}
-        prompt_ids = model.render(
-            [_template_message(message) for message in request.messages], tools, continuing, template_kwargs
-        )
+        rendered = [_template_message(message) for message in request.messages]
+        if continuing and self.dialect.continues_by == "prefix":
+            prompt_ids = model.render(
+                rendered[:-1], tools, False, template_kwargs, prefix=request.messages[-1].text()
+            )
+        else:
+            prompt_ids = model.render(rendered, tools, continuing, template_kwargs)
         thinking = model.thinking and template_kwargs.get("enable_thinking", True) is not False
         history = request.messages[:-1] if continuing else request.messages
         plan = plan_reply(

@@ -22,7 +22,7 @@ import math
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -37,6 +37,7 @@ from buffer.simulator.outage import DroppedConnection, Outage
 from buffer.simulator.prompts import Prompts
 from buffer.simulator.protocol import ChatRequest, error_body
 from buffer.simulator.replies import Generation, Limits, ReplyPlan, generate
+from buffer.simulator.sampling import SamplingFields
 from buffer.simulator.shapes import new_id
 from buffer.simulator.stats import SimStats
 from buffer.simulator.streaming import Chunk, sse
@@ -80,7 +81,7 @@ class Simulator:
         #: SGLang's pause, continue and weight updates (``buffer.simulator.control``).
         self.control = Control()
         self.weight_version = config.weight_version
-        self.prompts = Prompts(model)
+        self.prompts = Prompts(model, self.dialect)
 
     # Errors
 
@@ -131,10 +132,12 @@ class Simulator:
         partial_text: str | None,
         *,
         logprobs: bool,
+        sampling: SamplingFields | None = None,
     ) -> Generation:
         """One reply of the simulated model to ``plan``, continuing ``partial_ids`` if given, with
-        this server's accuracy, abort rate and fault generator."""
-        return generate(
+        this server's accuracy, abort rate and fault generator; its logprobs as the engine reports
+        them for a request with these ``sampling`` fields (``sampling.py``)."""
+        generation = generate(
             self.model,
             plan,
             limits,
@@ -146,6 +149,15 @@ class Simulator:
             partial_text,
             logprobs=logprobs,
         )
+        if not generation.logprobs:
+            return generation
+        reported = self.dialect.reported_logprobs(
+            generation.logprobs,
+            sampling or SamplingFields(),
+            self.model.vocab_size - 1,
+            self.config.logprobs_mode,
+        )
+        return replace(generation, logprobs=reported)
 
     def head(self, id_prefix: str, kind: str) -> dict[str, Any]:
         """The fields an OpenAI answer (and each of its stream's chunks) starts with."""
@@ -169,7 +181,7 @@ class Simulator:
         stats.enter()
         streaming = False
         try:
-            await self.control.hold()  # paused: a new request waits for /continue_generation
+            await self.control.hold()  # paused: a new request waits for the resume
             if self.down():
                 return self.outage_response()
             started = time.monotonic()

@@ -1,9 +1,10 @@
 """The engines the toolkit talks to, by name, in one table: ``DIALECTS``.
 
 A dialect says what a chat request asks for to get token ids back (``chat_capture``), how it
-continues an aborted answer (``chat_continue``), and where and how a token prompt goes (token
-in, token out: ``tito.TokenClient``). The fields are those of the engines' own code (see the
-README's "Token capture" table):
+continues an aborted answer as text where it cannot from ids (``chat_continue``), and where and
+how a token prompt goes (token in, token out: ``tito.TokenClient``; and the chat client's
+continuation of an aborted answer from its ids). The fields are those of the engines' own code
+(see the README's "Token capture" table):
 
 - vLLM chat (``/v1/chat/completions``): ``return_token_ids`` and ``logprobs`` in; the prompt's
   ids at the top level (``prompt_token_ids``), the sampled ids in the choice (``token_ids``),
@@ -18,8 +19,14 @@ README's "Token capture" table):
   ``return_token_ids`` in; ``prompt_token_ids``, ``token_ids`` and
   ``logprobs.token_logprobs`` in the choice.
 - ``auto``: a chat request asks in both dialects (an engine ignores the fields it does not
-  know), and a chat answer is read wherever either engine puts the ids (``chat_tokens``); a
-  token prompt goes to SGLang's ``/generate``.
+  know), and a chat answer is read wherever either engine puts the ids (``chat_tokens``); which
+  engine wrote it (``answer_engine``) says where its token route is. A token prompt goes to
+  SGLang's ``/generate`` first, and to vLLM's ``/v1/completions`` once ``/generate`` is not
+  found (``TOKEN_ROUTE_MISSING``).
+
+Where the toolkit reads an engine's raw output (a token route's text), it parses it as the
+engines' parsers would: ``split_reasoning`` (Qwen3's ``<think>``) and ``hermes_tool_calls``
+(Qwen/Hermes ``<tool_call>{json}</tool_call>``), or any ``ToolCallParser``.
 
 Adding an engine dialect: write one ``Dialect`` subclass here (its name, its chat fields, its
 token route and the readers of its answers) and add an instance to ``DIALECTS``. Its name is
@@ -33,9 +40,12 @@ This module only reads and writes dicts; the HTTP is ``llm.py``'s.
 
 from __future__ import annotations
 
+import json
 import math
+import re
+import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -43,6 +53,25 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import orjson
 
 from buffer.toolkit.types import TokenCapture
+
+#: ``parser(text) -> (content, tool_calls)``: the text without the calls, and the calls in
+#: OpenAI's form (``{"id", "type": "function", "function": {"name", "arguments": str}}``).
+ToolCallParser = Callable[[str], tuple[str, list[dict[str, Any]]]]
+
+#: The statuses of a token route an engine does not serve (vLLM has no ``/generate``).
+TOKEN_ROUTE_MISSING = frozenset({404, 405})
+
+#: Chat request fields a token request does not take (a chat answer continued from its ids).
+CHAT_ONLY_FIELDS = frozenset(
+    {
+        *("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template", "chat_template_kwargs"),
+        *("add_generation_prompt", "continue_final_message", "documents", "reasoning_effort"),
+        *("separate_reasoning", "logprobs", "top_logprobs", "return_token_ids", "return_prompt_token_ids"),
+        *("return_meta_info", "stream", "stream_options", "echo", "n"),
+    }
+)
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 class AnswerShapeError(ValueError):
@@ -83,6 +112,16 @@ def chat_tokens(answer: dict[str, Any], choice: dict[str, Any]) -> TokenCapture 
     if version is None:
         version = meta.get("weight_version")
     return _capture(prompt_ids, output_ids, logprobs, version)
+
+
+def answer_engine(answer: dict[str, Any], choice: dict[str, Any]) -> str | None:
+    """Which engine wrote a chat answer, from where it put the ids: vLLM the prompt's at the top
+    level, SGLang in the choice (or its ``meta_info``); ``None`` when it holds neither."""
+    if isinstance(answer.get("prompt_token_ids"), list):
+        return "vllm"
+    if isinstance(choice.get("prompt_token_ids"), list) or isinstance(choice.get("meta_info"), dict):
+        return "sglang"
+    return None
 
 
 def _chat_logprobs(choice: dict[str, Any]) -> list[float] | None:
@@ -202,6 +241,47 @@ def error_message(body: bytes | str) -> str:
     return text.strip()[:500]
 
 
+def hermes_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Qwen/Hermes tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+
+    A block that is not such JSON stays in the content, as the model wrote it."""
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    last = 0
+    for match in _TOOL_CALL.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            continue
+        arguments = call.get("arguments", {})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": call["name"],
+                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+                },
+            }
+        )
+        kept.append(text[last : match.start()])
+        last = match.end()
+    if not calls:
+        return text, []
+    kept.append(text[last:])
+    return "".join(kept).strip(), calls
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """``<think>reasoning</think>content`` -> (reasoning, content); no ``</think>``: no reasoning."""
+    head, sep, tail = text.partition("</think>")
+    if not sep:
+        return None, text
+    return head.replace("<think>", "", 1).strip("\n"), tail.lstrip("\n")
+
+
 def _fields(**fields: Any) -> Mapping[str, Any]:
     """Request fields shared by every request of a dialect: read-only."""
     return MappingProxyType(fields)
@@ -218,6 +298,9 @@ class Dialect(ABC):
     #: The token route: its path, from the server's root or (``token_path_under_v1``) under ``/v1``.
     token_path: ClassVar[str]
     token_path_under_v1: ClassVar[bool]
+    #: Token request fields that make its text read as a chat answer's (special tokens
+    #: skipped, stop strings trimmed): for a chat answer continued from its ids.
+    chat_text: ClassVar[Mapping[str, Any]]
 
     @abstractmethod
     def token_request(
@@ -246,6 +329,7 @@ class SGLang(Dialect):
     chat_continue = _fields(continue_final_message=True)
     token_path = "/generate"
     token_path_under_v1 = False
+    chat_text = _fields(skip_special_tokens=True, no_stop_trim=False)
 
     def token_request(
         self,
@@ -268,6 +352,7 @@ class VLLM(Dialect):
     chat_continue = _fields(continue_final_message=True, add_generation_prompt=False)
     token_path = "/completions"
     token_path_under_v1 = True
+    chat_text = _fields(skip_special_tokens=True, include_stop_str_in_output=False)
 
     def token_request(
         self,
@@ -284,7 +369,8 @@ class VLLM(Dialect):
 
 
 class Auto(SGLang):
-    """Either engine: chat fields of both; token prompts on SGLang's ``/generate``."""
+    """Either engine: chat fields of both; token prompts on SGLang's ``/generate`` (the token
+    client moves to vLLM's ``/v1/completions`` where ``/generate`` is not found)."""
 
     name = "auto"
     chat_capture = _fields(logprobs=True, return_token_ids=True, return_prompt_token_ids=True)

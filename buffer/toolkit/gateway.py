@@ -9,6 +9,10 @@ The agent is whatever speaks the OpenAI API (the ``openai`` SDK, LangGraph, a CL
 ends the session: with a reward, its trajectory is written to its group; without one, or when
 the block raised, the session is discarded (and the error goes on). Inside a job of the service
 the buffer's URL is the service's own (``buffer_url=None``).
+
+The task is the job's: a job started with a ``rollout_name`` writes to that task, so inside it
+``task_type=None``, or the generator's own ``TASK_TYPE``, opens the session on the job's task (the
+task ``/start_rollout`` configured, its group size and timeouts); any other name is taken as given.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from buffer.current import current_job
+from buffer.current import JobContext, current_job
 from buffer.keys import key_or_env
 
 logger = logging.getLogger(__name__)
@@ -45,7 +49,7 @@ class GatewaySession:
 @contextlib.asynccontextmanager
 async def gateway_session(
     buffer_url: str | None,
-    task_type: str,
+    task_type: str | None,
     instance_id: str | int,
     *,
     remote_engine_url: str | list[str] | None = None,
@@ -53,12 +57,14 @@ async def gateway_session(
     api_key: str | None = None,
     timeout_s: float = 60.0,
 ) -> AsyncIterator[GatewaySession]:
-    """A session of the rollout buffer at ``buffer_url`` (None: this job's service), ended on exit."""
+    """A session of the rollout buffer at ``buffer_url`` (None: this job's service), ended on exit,
+    for the task ``task_type`` (None: this job's task; see the module's docstring)."""
+    job = current_job()
     if buffer_url is None:
-        job = current_job()
         if job is None or job.buffer_url is None:
             raise ValueError("buffer_url is required outside a job of the rollout buffer service")
         buffer_url = job.buffer_url
+    task_type = _session_task(task_type, job)
     headers = {}
     if key := key_or_env(api_key):
         headers["authorization"] = f"Bearer {key}"
@@ -82,6 +88,18 @@ async def gateway_session(
             session.result = await _post(client, path, {"discard": True})
         else:
             session.result = await _post(client, path, {"reward": session.reward})
+
+
+def _session_task(task_type: str | None, job: JobContext | None) -> str:
+    """The task a session writes to: the job's when ``task_type`` is None or its generator's own
+    ``TASK_TYPE`` (the job may run under a ``rollout_name``), else ``task_type`` as given."""
+    if job is None:
+        if task_type is None:
+            raise ValueError("task_type is required outside a job of the rollout buffer service")
+        return task_type
+    if task_type is None or task_type == job.data.get("generator_task_type"):
+        return job.task_type
+    return task_type
 
 
 async def _post(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> dict[str, Any]:

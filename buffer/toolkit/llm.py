@@ -10,18 +10,22 @@ pool (``pool``): least in flight, a group's samples on one engine, dead engines 
 
 Two kinds of failure are handled here, so generators never see them:
 
-- transport errors (a refused or dropped connection), timeouts, 429 and 5xx are retried
-  (tenacity) for as long as ``RetryPolicy.max_retry_s`` allows, two minutes by default, so a
-  policy server that restarts or is overloaded for a while is waited out; each wait is random
-  (full jitter) up to an exponential backoff capped at ``max_backoff_s``, so a thousand
-  requests in flight do not come back at once, and never shorter than a ``Retry-After``;
+- a failed request is retried as ``retries.RetryPolicy`` says: outages, overloads and 429 for
+  two minutes, a 500 until the engine gives it the same way three times in a row (an error it
+  gives that request every time fails then, with its message), a 4xx not at all;
 - an answer that ends with ``finish_reason: "abort"`` (SGLang aborts requests around weight
-  updates) is continued at once, within what is left of the ``max_tokens`` budget: here the
-  text so far goes back as the final assistant message with ``continue_final_message``; the
-  token client continues from the token ids. Only an abort that brought no new token is
-  followed by a wait (``ContinuePolicy``): a fixed pause per abort cost 40% of throughput at
-  10% aborts. A 4xx is not retried: it is the request, or the engine's configuration (a wrong
-  model name), and ``LLMError.status`` / ``engine_message`` say which.
+  updates, vLLM on ``/pause``) is continued at once, within what is left of the ``max_tokens``
+  budget, from its token ids: the first prompt's ids and the ids sampled so far go to the
+  engine's token route (SGLang's ``/generate``, vLLM's ``/v1/completions``), so the rest is
+  sampled after exactly the tokens the sample holds. Continuing as text
+  (``continue_final_message``) makes the engine render the reply so far again through the chat
+  template, which is another context (Qwen3's template writes an empty think block before it;
+  vLLM refuses a reply it cannot find again with a 400): it is only the fallback, where the
+  engine gave no ids or has no token route, and its part is recorded from the prompt the engine
+  reports for it, never spliced onto the first (``continued``). Only an abort that brought no
+  new token is followed by a wait (``ContinuePolicy``): a fixed pause per abort cost 40% of
+  throughput at 10% aborts. A continuation the engine refuses leaves the answer as it was,
+  aborted, rather than failing it.
 
 Every request and every failed one is counted on ``ChatClient.stats`` as it happens, so an
 outage shows on a job's progress while it lasts, not only once its answers come.
@@ -30,6 +34,7 @@ outage shows on a job's progress while it lasts, not only once its answers come.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -38,19 +43,32 @@ from typing import Any, Self
 
 import httpx
 import orjson
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception,
-    stop_before_delay,
-    wait_random_exponential,
-)
-from tenacity.stop import stop_base
 
 from buffer.policy.gate import Gate
-from buffer.toolkit.engines import AnswerShapeError, Engine, chat_tokens, dialect, error_message
+from buffer.toolkit.engines import (
+    CHAT_ONLY_FIELDS,
+    TOKEN_ROUTE_MISSING,
+    AnswerShapeError,
+    Dialect,
+    Engine,
+    Generated,
+    ToolCallParser,
+    answer_engine,
+    chat_tokens,
+    dialect,
+    error_message,
+    hermes_tool_calls,
+)
 from buffer.toolkit.http11 import Http11Transport
 from buffer.toolkit.pool import EnginePool, routing_key
+from buffer.toolkit.retries import (
+    RETRYABLE_STATUS,
+    LLMError,
+    RetryableStatus,
+    RetryPolicy,
+    SameError,
+    retrying,
+)
 from buffer.toolkit.transport import (
     ROUTING_KEY_HEADER,
     HttpxTransport,
@@ -60,40 +78,20 @@ from buffer.toolkit.transport import (
 )
 from buffer.toolkit.types import Completion, Message, TokenCapture
 
-RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
-RETRY_AFTER_CAP_S = 60.0  # a server's Retry-After is honoured up to this
+logger = logging.getLogger(__name__)
 
-
-class LLMError(Exception):
-    """The policy server did not answer usably, after any retries.
-
-    ``status`` is the HTTP status of a refused request (a 4xx, not retried) and
-    ``engine_message`` the engine's own words for it; both ``None`` for other failures."""
-
-    def __init__(self, message: str, *, status: int | None = None, engine_message: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.engine_message = engine_message
-
-
-class _RetryableStatus(Exception):
-    def __init__(self, reply: Reply) -> None:
-        super().__init__(f"HTTP {reply.status}: {reply.text[:300]}")
-        self.retry_after_s = _retry_after_s(reply.retry_after)
-
-
-@dataclass(frozen=True, slots=True)
-class RetryPolicy:
-    """How a failed request is retried: until ``max_retry_s`` have passed since it first failed
-    (no further attempt starts after that), and at most ``max_attempts`` attempts if set. The
-    n-th wait is random, between 0 and ``backoff_s * 2 ** (n - 1)`` capped at ``max_backoff_s``:
-    the cap bounds how long a request waits after the server is back. ``max_retry_s=0``: no retry.
-    """
-
-    max_retry_s: float = 120.0
-    max_attempts: int | None = None
-    backoff_s: float = 0.5
-    max_backoff_s: float = 5.0
+__all__ = [
+    "RETRYABLE_STATUS",
+    "ChatClient",
+    "ContinuePolicy",
+    "EngineClient",
+    "LLMError",
+    "LLMStats",
+    "RetryPolicy",
+    "continued",
+    "engine_base_url",
+    "engine_root_url",
+]
 
 
 @dataclass(slots=True)
@@ -121,7 +119,8 @@ class ContinuePolicy:
     """How aborted answers are continued: at once while an abort brings new tokens, and after a
     wait (``delay_s``, doubled each time up to ``max_delay_s``) only when one brought none, for
     at most ``max_continuations`` continuations. ``request_fields`` replace the engine's own
-    fields that continue a chat answer as text (``None``: the engine's, see ``engines``)."""
+    fields that continue a chat answer as text, where it cannot be continued from its ids
+    (``None``: the engine's, see ``engines``)."""
 
     max_continuations: int = 8
     delay_s: float = 0.5
@@ -156,6 +155,9 @@ class EngineClient:
     (``pool.EnginePool``); each request carries the task's routing key (``pool.routing_key``),
     in the SGLang router's header too."""
 
+    #: How its prompts reach the engine (``Completion.mode``): "chat" or "token"; None: unsaid.
+    mode: str | None = None
+
     def __init__(
         self,
         *,
@@ -184,14 +186,50 @@ class EngineClient:
             self._transport = transport
         self._health_interval_s = health_interval_s
         self.pool = EnginePool(["http://unset"], self._transport)  # the subclass's _engines() sets it
+        self._bases: list[str] = []
         self._urls: list[str] = []
+        self._token_routes: dict[str, list[str]] = {}
+        #: What this client has logged once (each kind of surprise is said once, then counted).
+        self._told: set[str] = set()
 
     def _engines(self, base_url: str | Sequence[str], request_url: Callable[[str], str]) -> None:
         """The engines behind ``base_url`` (one URL, or several: a pool), each asked at
         ``request_url(url)``."""
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         self.pool = EnginePool(urls, self._transport, health_interval_s=self._health_interval_s)
+        self._bases = urls
         self._urls = [request_url(url) for url in urls]
+
+    def _token_route(self, route: Dialect) -> list[str]:
+        """The URL of ``route``'s token endpoint on each engine."""
+        urls = self._token_routes.get(route.name)
+        if urls is None:
+            at = engine_base_url if route.token_path_under_v1 else engine_root_url
+            urls = self._token_routes[route.name] = [at(url) + route.token_path for url in self._bases]
+        return urls
+
+    async def _generate(
+        self,
+        route: Dialect,
+        model: str,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        sampling: dict[str, Any],
+        seed: int | None,
+    ) -> tuple[Generated, int]:
+        """One answer of ``route``'s token endpoint to ``prompt_ids``, and the HTTP requests made."""
+        body = route.token_request(model, prompt_ids, max_tokens, sampling, seed)
+        answer, tries = await self._post(body, self._token_route(route))
+        try:
+            return route.read_tokens(answer), tries
+        except AnswerShapeError as exc:
+            raise LLMError(f"the policy server's answer is malformed: {exc}") from exc
+
+    def _tell_once(self, kind: str, message: str, *args: object) -> None:
+        """Log a warning the first time this client meets ``kind``; later ones are only counted."""
+        if kind not in self._told:
+            self._told.add(kind)
+            logger.warning(message, *args)
 
     async def __aenter__(self) -> Self:
         return self
@@ -215,46 +253,44 @@ class EngineClient:
         """One answer to ``messages`` (``previous``: this conversation's last completion)."""
         raise NotImplementedError
 
-    async def _post(self, body: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    async def _post(
+        self, body: dict[str, Any], urls: Sequence[str] | None = None
+    ) -> tuple[dict[str, Any], int]:
         """POST to an engine with retries; returns the decoded answer and the number of HTTP
-        requests made (a request moved to another engine at once counts as one more)."""
+        requests made (a request moved to another engine at once counts as one more).
+        ``urls``: each engine's URL for this request (default: the client's own route)."""
         content = orjson.dumps(body)
         key = routing_key.get()
         headers = self._headers if key is None else {**self._headers, ROUTING_KEY_HEADER: key}
+        route = self._urls if urls is None else urls
         sent = [0]
+        same = SameError(self.retry.same_error_limit)
         # Most requests succeed at once; only failures pay for tenacity (~120 us a call here).
         try:
-            return await self._send(content, headers, key, sent), sent[0]
-        except (_RetryableStatus, Unreachable) as exc:
+            return await self._send(content, headers, key, sent, route), sent[0]
+        except (RetryableStatus, Unreachable) as exc:
+            same.check(exc)  # the same 500 too often: an LLMError, not retried
             first_failure: BaseException | None = exc
-        policy = self.retry
-        stop: stop_base = (
-            stop_before_delay(policy.max_retry_s) if self.gate is None else _StopOpenTime(policy, self.gate)
-        )
-        if policy.max_attempts is not None:
-            stop = stop | _StopAfterSent(sent, policy.max_attempts)
-        retrying = AsyncRetrying(
-            stop=stop,
-            wait=_Wait(policy.backoff_s, policy.max_backoff_s),
-            retry=retry_if_exception(_is_retryable),
-            reraise=True,
-        )
         first_failed_at = time.monotonic()
         try:
-            async for attempt in retrying:
+            async for attempt in retrying(self.retry, self.gate, sent):
                 with attempt:
                     if first_failure is not None:  # attempt 1 was made above: replay its failure
                         failure, first_failure = first_failure, None
                         raise failure
-                    return await self._send(content, headers, key, sent), sent[0]
-        except (_RetryableStatus, Unreachable) as exc:
+                    try:
+                        return await self._send(content, headers, key, sent, route), sent[0]
+                    except (RetryableStatus, Unreachable) as exc:
+                        same.check(exc)
+                        raise
+        except (RetryableStatus, Unreachable) as exc:
             elapsed_s = time.monotonic() - first_failed_at
             times = "once" if sent[0] == 1 else f"{sent[0]} times"
             raise LLMError(f"the policy server failed {times} over {elapsed_s:.1f} s; last: {exc!r}") from exc
         raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
 
     async def _send(
-        self, content: bytes, headers: dict[str, str], key: str | None, sent: list[int]
+        self, content: bytes, headers: dict[str, str], key: str | None, sent: list[int], urls: Sequence[str]
     ) -> dict[str, Any]:
         """One attempt: to the engine the pool picks, and at once to another one while the
         picked engine cannot be reached and another is healthy."""
@@ -265,7 +301,7 @@ class EngineClient:
             self.stats.requests += 1
             sent[0] += 1
             try:
-                reply = await self._transport.post(self._urls[engine.index], content, headers)
+                reply = await self._transport.post(urls[engine.index], content, headers)
             except Unreachable as exc:
                 self.stats.failed(exc.kind)
                 limit = self.retry.max_attempts
@@ -286,7 +322,7 @@ class EngineClient:
         if reply.is_error:
             self.stats.failed(f"HTTP {reply.status}")
             if reply.status in RETRYABLE_STATUS:
-                raise _RetryableStatus(reply)
+                raise RetryableStatus(reply)
             said = error_message(reply.body)
             raise LLMError(
                 f"HTTP {reply.status} from the policy server: {said}",
@@ -309,9 +345,20 @@ class ChatClient(EngineClient):
 
     With ``capture`` (the default) every request asks for the prompt's token ids, the sampled
     ids and their logprobs in the ``engine``'s dialect, and each ``Completion`` carries them
-    (``Completion.tokens``), or ``None`` from a server that ignores the fields. An aborted answer
-    is continued as text (``continue_final_message``); its ids and logprobs are concatenated.
-    Continuing from the exact token ids is the token client's (``tito.TokenClient``)."""
+    (``Completion.tokens``), or ``None`` from a server that ignores the fields.
+
+    An aborted answer is continued from its ids on the engine's token route (``engine`` names
+    it; with ``auto``, the engine the first answer's shape shows), so its record is one prompt
+    and all the ids sampled after it. The continuation's raw text is read as the engine's
+    parsers read a chat answer: the rest of an unfinished ``<think>`` is reasoning, and the
+    content's tool calls are parsed with ``tool_parser`` (Hermes/Qwen ``<tool_call>`` by default)
+    unless the engine parsed some itself. Only without ids, or where the token route is not
+    found, is it continued as text (``continue_final_message``); then each part's record is
+    checked against the answer's so far (``continued``), and a part sampled after another
+    prompt becomes the record, from its own prompt, counted in
+    ``Completion.mismatched_continuations`` and logged once."""
+
+    mode = "chat"
 
     def __init__(
         self,
@@ -321,6 +368,7 @@ class ChatClient(EngineClient):
         engine: Engine = "auto",
         capture: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tool_parser: ToolCallParser = hermes_tool_calls,
         **client: Any,
     ) -> None:
         self.dialect = dialect(engine)  # ValueError for a name the table does not have, before any I/O
@@ -329,7 +377,10 @@ class ChatClient(EngineClient):
         self.engine = engine
         self.capture = capture
         self.chat_template_kwargs = chat_template_kwargs or None
+        self.tool_parser = tool_parser
         self._engines(base_url, lambda url: engine_base_url(url) + "/chat/completions")
+        #: Token routes found missing (by dialect name): their answers are continued as text.
+        self._missing_routes: set[str] = set()
 
     async def complete(
         self,
@@ -359,67 +410,174 @@ class ChatClient(EngineClient):
         if self.capture:
             for key, value in self.dialect.chat_capture.items():
                 base.setdefault(key, value)
+        wire = [_on_the_wire(message) for message in messages]
+        reply = _Reply()
+        answer, tries = await self._post(dict(base, messages=list(wire)))
+        reply.attempts += tries
+        self._take_chat(reply, answer, first=True)
+        continuations = 0
+        while reply.finish_reason == "abort":
+            if budget is not None and reply.generated >= budget:
+                reply.finish_reason = "length"  # the budget ran out while aborted: it is truncated
+                break
+            if continuations >= self.continuation.max_continuations:
+                break
+            continuations += 1
+            wait_s = self.continuation.backoff_s(reply.empty_in_a_row)
+            if wait_s:
+                await asyncio.sleep(wait_s)
+            remaining = None if budget is None else budget - reply.generated
+            try:
+                await self._continue(reply, base, wire, remaining, sampling, seed)
+            except LLMError as exc:
+                if exc.status is None:
+                    raise  # an outage outlasted its retries: the answer fails
+                # Refused (vLLM's 400 for a reply its template cannot find again): the answer
+                # so far is kept, still aborted, rather than lost.
+                reply.finish_reason = "abort"
+                self._tell_once(
+                    "continuation refused",
+                    "the policy server refused to continue an aborted answer (%s); it is kept as "
+                    "it was, aborted (said once; the job's progress counts aborted trajectories)",
+                    exc,
+                )
+                break
+        content, reasoning, tool_calls = reply.text(self.tool_parser)
+        if reply.tokens is not None:  # which engine answered: what its logprobs are depends on it
+            reply.tokens.engine = reply.engine if self.dialect.name == "auto" else self.dialect.name
+        finish_reason = reply.finish_reason
+        if tool_calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return Completion(
+            text=content,
+            finish_reason=finish_reason,
+            tool_calls=tool_calls,
+            usage=reply.usage,
+            latency_s=time.monotonic() - started,
+            attempts=reply.attempts,
+            continuations=continuations,
+            reasoning_content=reasoning,
+            tokens=reply.tokens,
+            sampling=_sampling_record(sampling, seed),
+            mode="chat",
+            text_continuations=reply.text_continuations,
+            mismatched_continuations=reply.mismatched,
+        )
+
+    async def _continue(
+        self,
+        reply: _Reply,
+        base: dict[str, Any],
+        wire: list[Message],
+        remaining: int | None,
+        sampling: dict[str, Any],
+        seed: int | None,
+    ) -> None:
+        """One continuation of an aborted answer: from its ids where the engine takes them, else as text."""
+        route = self._route_for(reply)
+        if route is not None:
+            assert reply.tokens is not None
+            held = [*reply.tokens.prompt_ids, *reply.tokens.output_ids]
+            fields = {**route.chat_text, **{k: v for k, v in sampling.items() if k not in CHAT_ONLY_FIELDS}}
+            try:
+                part, tries = await self._generate(route, self.model, held, remaining, fields, seed)
+            except LLMError as exc:
+                if exc.status not in TOKEN_ROUTE_MISSING:
+                    raise
+                self._missing_routes.add(route.name)
+                self._tell_once(
+                    "no token route",
+                    "the policy server has no %s (HTTP %s): aborted answers are continued as text "
+                    "(continue_final_message), each part recorded from the prompt the engine reports",
+                    route.token_path,
+                    exc.status,
+                )
+            else:
+                reply.attempts += tries
+                self._take_ids(reply, part, held)
+                return
         continue_fields: Mapping[str, Any] | None = self.continuation.request_fields
         if continue_fields is None:
             continue_fields = self.dialect.chat_continue
-        text = ""
-        reasoning: str | None = None
-        generated = 0
-        attempts = 0
-        continuations = 0
-        empty_in_a_row = 0
-        usage: dict[str, int] = {}
-        tokens: TokenCapture | None = None
-        tool_calls: list[dict[str, Any]] | None = None
-        wire = [_on_the_wire(message) for message in messages]
-        while True:
-            body = dict(base, messages=list(wire))
-            if continuations:
-                body["messages"].append({"role": "assistant", "content": text})
-                body.update(continue_fields)
-                if budget is not None:
-                    body["max_tokens"] = budget - generated
-            answer, tries = await self._post(body)
-            attempts += tries
-            choice, message = _first_choice(answer)
-            finish_reason = choice.get("finish_reason") or "stop"
-            piece = message.get("content") or ""
-            text += piece
-            thought = message.get("reasoning_content") or message.get("reasoning")
-            if isinstance(thought, str) and thought:
-                reasoning = (reasoning or "") + thought
-            tool_calls = message.get("tool_calls") or tool_calls
-            step_usage = answer.get("usage") or {}
-            for key, value in step_usage.items():
-                if isinstance(value, int):
-                    usage[key] = usage.get(key, 0) + value
-            step = self._tokens(answer, choice) if self.capture else None
-            tokens = _joined(tokens, step, first=continuations == 0)
-            new_tokens = step_usage.get("completion_tokens")
-            if not isinstance(new_tokens, int):
-                new_tokens = len(step.output_ids) if step else len(piece)
-            generated += new_tokens
-            if finish_reason == "abort":
-                if budget is not None and generated >= budget:
-                    finish_reason = "length"  # the budget ran out while aborted: it is truncated
-                elif continuations < self.continuation.max_continuations:
-                    continuations += 1
-                    empty_in_a_row = 0 if new_tokens or piece else empty_in_a_row + 1
-                    wait_s = self.continuation.backoff_s(empty_in_a_row)
-                    if wait_s:
-                        await asyncio.sleep(wait_s)
-                    continue
-            return Completion(
-                text=text,
-                finish_reason=finish_reason,
-                tool_calls=tool_calls,
-                usage=usage,
-                latency_s=time.monotonic() - started,
-                attempts=attempts,
-                continuations=continuations,
-                reasoning_content=reasoning,
-                tokens=tokens,
-                sampling=_sampling_record(sampling, seed),
+        reply.settle()
+        body = dict(base, messages=[*wire, {"role": "assistant", "content": reply.content}])
+        body.update(continue_fields)
+        if remaining is not None:
+            body["max_tokens"] = remaining
+        answer, tries = await self._post(body)
+        reply.attempts += tries
+        reply.text_continuations += 1
+        self._take_chat(reply, answer, first=False)
+
+    def _route_for(self, reply: _Reply) -> Dialect | None:
+        """The token route that continues ``reply`` from its ids, if there is one."""
+        if reply.tokens is None:
+            return None  # no ids (capture off, or the engine gave none): text is all there is
+        name = reply.engine if self.dialect.name == "auto" else self.dialect.name
+        if name is None or name in self._missing_routes:
+            return None
+        return dialect(name)
+
+    def _take_chat(self, reply: _Reply, answer: dict[str, Any], *, first: bool) -> None:
+        choice, message = _first_choice(answer)
+        reply.finish_reason = choice.get("finish_reason") or "stop"
+        piece = message.get("content") or ""
+        thought = message.get("reasoning_content")
+        if not thought:  # vLLM >= 0.11 says "reasoning"
+            thought = message.get("reasoning", thought)
+        reply.tool_calls = message.get("tool_calls") or reply.tool_calls
+        step_usage = answer.get("usage") or {}
+        for key, value in step_usage.items():
+            if isinstance(value, int):
+                reply.usage[key] = reply.usage.get(key, 0) + value
+        step = self._tokens(answer, choice) if self.capture else None
+        new_tokens = step_usage.get("completion_tokens")
+        if not isinstance(new_tokens, int):
+            new_tokens = len(step.output_ids) if step else len(piece)
+        reply.generated += new_tokens
+        reply.empty_in_a_row = 0 if new_tokens or piece else reply.empty_in_a_row + 1
+        reply.content += piece
+        if isinstance(thought, str) and thought:
+            reply.reasoning = (reply.reasoning or "") + thought
+        # Stopped inside the reasoning (a reasoning field, even empty, and no content yet): what a
+        # continuation from ids brings up to ``</think>`` is reasoning too.
+        reply.in_reasoning = isinstance(thought, str) and not reply.content and not reply.tool_calls
+        if first:
+            reply.tokens = step
+            reply.engine = answer_engine(answer, choice)
+        elif reply.tokens is None or step is None:
+            reply.tokens = None  # a part without ids: the record would be incomplete, so there is none
+        else:
+            self._extend(reply, step)
+
+    def _take_ids(self, reply: _Reply, part: Generated, sent: list[int]) -> None:
+        step = TokenCapture(
+            part.prompt_ids if part.prompt_ids is not None else sent,
+            part.output_ids,
+            part.output_logprobs,
+            part.weight_version,
+        )
+        self._extend(reply, step)
+        reply.finish_reason = part.finish_reason
+        reply.tail += part.text
+        reply.from_ids = True
+        new_tokens = len(part.output_ids)
+        reply.generated += new_tokens
+        reply.empty_in_a_row = 0 if new_tokens else reply.empty_in_a_row + 1
+        for key, value in (("prompt_tokens", len(sent)), ("completion_tokens", new_tokens)):
+            reply.usage[key] = reply.usage.get(key, 0) + value
+        reply.usage["total_tokens"] = reply.usage.get("total_tokens", 0) + len(sent) + new_tokens
+
+    def _extend(self, reply: _Reply, step: TokenCapture) -> None:
+        assert reply.tokens is not None
+        reply.tokens, extended = continued(reply.tokens, step)
+        if not extended:
+            reply.mismatched += 1
+            self._tell_once(
+                "continuation mismatch",
+                "a continuation of an aborted answer was sampled after a prompt that is not the answer's "
+                "so far (the engine re-rendered it); it is recorded from its own prompt, never spliced "
+                "(said once; extra_info.mismatched_continuations counts them)",
             )
 
     def _tokens(self, answer: dict[str, Any], choice: dict[str, Any]) -> TokenCapture | None:
@@ -429,21 +587,73 @@ class ChatClient(EngineClient):
             raise LLMError(f"the policy server's token ids are malformed: {exc}") from exc
 
 
-def _joined(so_far: TokenCapture | None, step: TokenCapture | None, *, first: bool) -> TokenCapture | None:
-    """An answer's tokens after one more part: the first part's prompt, all parts' output."""
-    if first or so_far is None:
-        return step if first else None
-    if step is None:
-        return None  # a part without ids: the record would be incomplete, so there is none
-    logprobs = None
-    if so_far.output_logprobs is not None and step.output_logprobs is not None:
-        logprobs = so_far.output_logprobs + step.output_logprobs
-    return TokenCapture(
-        so_far.prompt_ids,
-        so_far.output_ids + step.output_ids,
-        logprobs,
-        step.weight_version if step.weight_version is not None else so_far.weight_version,
-    )
+@dataclass(slots=True)
+class _Reply:
+    """A chat answer as its parts come in."""
+
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    #: The raw text of parts continued from ids, not yet read into content and reasoning.
+    tail: str = ""
+    in_reasoning: bool = False  # the last chat part stopped inside the reasoning
+    from_ids: bool = False  # a part was continued from ids: its raw text is parsed here
+    finish_reason: str = "stop"
+    tokens: TokenCapture | None = None
+    engine: str | None = None  # the engine the first answer's shape shows
+    usage: dict[str, int] = field(default_factory=dict)
+    generated: int = 0
+    attempts: int = 0
+    empty_in_a_row: int = 0
+    text_continuations: int = 0
+    mismatched: int = 0
+
+    def settle(self) -> None:
+        """Read the raw text continued from ids into the content, as the engine's reasoning parser
+        would: where the chat part stopped inside the reasoning, the text up to ``</think>`` is
+        reasoning, the rest content."""
+        tail, self.tail = self.tail, ""
+        if not tail:
+            return
+        if self.in_reasoning:
+            thought, end, rest = tail.partition("</think>")
+            self.reasoning = (self.reasoning or "") + (thought.rstrip("\n") if end else thought)
+            self.content = rest.lstrip("\n")
+            self.in_reasoning = not end
+        else:
+            self.content += tail
+
+    def text(self, parser: ToolCallParser) -> tuple[str, str | None, list[dict[str, Any]] | None]:
+        """Content, reasoning and tool calls: the engine's, and any in the text continued from ids."""
+        self.settle()
+        if self.from_ids and not self.tool_calls:
+            content, calls = parser(self.content)
+            if calls:
+                return content, self.reasoning, calls
+        return self.content, self.reasoning, self.tool_calls
+
+
+def continued(so_far: TokenCapture, part: TokenCapture) -> tuple[TokenCapture, bool]:
+    """An answer's token record after one more part, and whether the part extended it.
+
+    A part whose prompt (as the engine reported it, or as sent) is the answer's so far, its
+    prompt and output ids, is appended: one prompt, every id sampled after it. Any other part was
+    sampled after another prompt (the engine re-rendered the reply so far): it becomes the
+    record, from its own prompt, so nothing is trained in a context it was not sampled in."""
+    prompt, output = so_far.prompt_ids, so_far.output_ids
+    held = len(prompt)
+    version = part.weight_version if part.weight_version is not None else so_far.weight_version
+    engine = part.engine if part.engine is not None else so_far.engine
+    if (
+        len(part.prompt_ids) == held + len(output)
+        and part.prompt_ids[:held] == prompt
+        and part.prompt_ids[held:] == output
+    ):
+        logprobs = None
+        if so_far.output_logprobs is not None and part.output_logprobs is not None:
+            logprobs = so_far.output_logprobs + part.output_logprobs
+        return TokenCapture(prompt, output + part.output_ids, logprobs, version, engine=engine), True
+    return TokenCapture(part.prompt_ids, part.output_ids, part.output_logprobs, version, engine=engine), False
 
 
 def _on_the_wire(message: Message) -> Message:
@@ -462,57 +672,6 @@ def _sampling_record(sampling: dict[str, Any], seed: int | None) -> dict[str, An
 
 def _is_plain(value: Any) -> bool:
     return value is None or isinstance(value, (str, int, float, bool, list, dict))
-
-
-class _StopOpenTime(stop_base):
-    """``stop_before_delay`` on the time the gate was open: a pause spends no retry budget."""
-
-    def __init__(self, policy: RetryPolicy, gate: Gate) -> None:
-        self._max_s = policy.max_retry_s
-        self._gate = gate
-        self._started = time.monotonic()
-
-    def __call__(self, retry_state: RetryCallState) -> bool:
-        now = time.monotonic()
-        open_s = now - self._started - self._gate.paused_between(self._started, now)
-        return open_s + (retry_state.upcoming_sleep or 0.0) >= self._max_s
-
-
-class _Wait:
-    """Exponential backoff with full jitter, but never shorter than the server's Retry-After."""
-
-    def __init__(self, backoff_s: float, max_backoff_s: float) -> None:
-        self._jitter = wait_random_exponential(multiplier=backoff_s, max=max_backoff_s)
-
-    def __call__(self, state: RetryCallState) -> float:
-        wait: float = self._jitter(state)
-        outcome = state.outcome
-        error = outcome.exception() if outcome is not None else None
-        if isinstance(error, _RetryableStatus) and error.retry_after_s is not None:
-            wait = max(wait, min(error.retry_after_s, RETRY_AFTER_CAP_S))
-        return wait
-
-
-def _is_retryable(exc: BaseException) -> bool:
-    return isinstance(exc, (_RetryableStatus, Unreachable))
-
-
-class _StopAfterSent(stop_base):
-    """Stop once ``max_attempts`` HTTP requests were made (a move to another engine counts)."""
-
-    def __init__(self, sent: list[int], max_attempts: int) -> None:
-        self.sent = sent
-        self.max_attempts = max_attempts
-
-    def __call__(self, retry_state: RetryCallState) -> bool:
-        return self.sent[0] >= self.max_attempts
-
-
-def _retry_after_s(value: str | None) -> float | None:
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
 
 
 def _first_choice(answer: Any) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -5,24 +5,73 @@ The shape is the trajectory schema's (README, "Token records"): ``prompt_ids`` f
 previous turn)[:prompt_offset] + prompt_ids``. A turn's prompt usually extends the previous
 one (always in token-in/token-out mode), so most turns store only their new tokens; a template
 that rewrote history (Qwen3 drops old reasoning) just gets a shorter offset.
+
+A turn with logprobs says what they are (``logprobs``: ``"sampling"``, ``"raw"`` or
+``"unknown"``, ``buffer.logprob_kinds``), from the engine that answered (``TokenCapture.engine``),
+its logprobs mode as the run declares it (``/start_rollout``'s ``logprobs_mode``) and the
+request's sampling fields. The trainer side is handed only sampling logprobs; a run whose are
+not says so once in the log (``LogprobsJudge``), naming what to change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from buffer.logprob_kinds import LogprobsKind, explain, logprobs_kind
 from buffer.toolkit.types import Completion, Message
+
+logger = logging.getLogger(__name__)
 
 FINISH_REASONS = frozenset({"stop", "length", "abort", "tool_calls"})
 
 
+class LogprobsJudge:
+    """What one run's logprobs are (``buffer.logprob_kinds``), with one warning for the run
+    when they are not sampling logprobs.
+
+    ``mode`` is the engine's logprobs mode as declared (vLLM's ``--logprobs-mode``; None: the
+    engine's default); ``engine`` the engine's name where a capture does not say which answered."""
+
+    def __init__(
+        self,
+        mode: str | None = None,
+        *,
+        engine: str = "auto",
+        task_type: str | None = None,
+        warn: bool = True,
+    ) -> None:
+        self.mode = mode
+        self.engine = engine
+        self.task_type = task_type
+        self.warned = not warn  # warned once already, or never to
+
+    def kind(self, engine: str | None, sampling: Mapping[str, Any] | None) -> LogprobsKind:
+        """The kind of the logprobs of a request with ``sampling``, answered by ``engine``."""
+        name = engine or self.engine
+        kind = logprobs_kind(name, sampling, self.mode)
+        if kind != "sampling" and not self.warned:
+            self.warned = True
+            logger.warning(
+                "%sthe engine's logprobs are not the sampling distribution's (%s): %s. Their token "
+                "records say logprobs: %r, and the trainer is not handed them as rollout logprobs",
+                f"{self.task_type}: " if self.task_type else "",
+                kind,
+                explain(name, sampling, self.mode),
+                kind,
+            )
+        return kind
+
+
 def turn_records(
-    messages: Sequence[Message], completions: Sequence[Completion]
+    messages: Sequence[Message], completions: Sequence[Completion], logprobs: LogprobsJudge | None = None
 ) -> list[dict[str, Any]] | None:
     """The turns of an episode, or ``None`` when any completion has no token ids (a server that
     ignored the capture fields, or capture off): a partial record would train on a partial
-    conversation, so the trajectory stays text only."""
+    conversation, so the trajectory stays text only. ``logprobs`` judges what the logprobs are
+    (default: an engine's default mode, the engine as each capture names it)."""
+    judge = logprobs or LogprobsJudge(warn=False)
     if not completions or any(c.tokens is None for c in completions):
         return None
     generated = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and m.get("generated")]
@@ -47,6 +96,8 @@ def turn_records(
                 "sampling": completion.sampling,
             }
         )
+        if tokens.output_logprobs is not None:
+            turns[-1]["logprobs"] = judge.kind(tokens.engine, completion.sampling)
         before = [*prompt, *tokens.output_ids]
     return turns
 

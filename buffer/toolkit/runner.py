@@ -34,6 +34,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from buffer.current import current_job
+from buffer.logprob_kinds import LogprobsMode
 from buffer.policy import find_policy
 from buffer.policy.admission import Admits
 from buffer.policy.gate import Gate, recording
@@ -45,11 +46,11 @@ from buffer.toolkit.leased import leased
 from buffer.toolkit.llm import ChatClient, ContinuePolicy, EngineClient, LLMStats, RetryPolicy
 from buffer.toolkit.offload import Offload
 from buffer.toolkit.pool import group_key, routing_key
-from buffer.toolkit.records import turn_records
+from buffer.toolkit.records import LogprobsJudge, turn_records
 from buffer.toolkit.remote_policy import RemotePolicy
 from buffer.toolkit.sink import HttpSink, RejectedTrajectory, TrajectorySink, open_sink
 from buffer.toolkit.stamp import stamp
-from buffer.toolkit.tito import TokenClient, TokenRenderer, load_tokenizer
+from buffer.toolkit.tito import TokenClient, TokenRenderer, tokenizer_for
 from buffer.toolkit.transport import Transport
 from buffer.toolkit.types import Completion, Episode, GroupRewardFn, Message, RewardFn, Sample
 from default_func import FAILURE_REWARD
@@ -101,14 +102,24 @@ class RolloutSettings(BaseModel):
     progress_interval_s: float = Field(10.0, gt=0)
     capture: bool = Field(True, description="ask the engine for token ids and logprobs; write them as turns")
     engine: Engine = Field("auto", description="the policy server: vllm, sglang, or auto (fields of both)")
-    token_mode: bool = Field(
-        False,
-        description="token in, token out: render with tokenizer_path, talk to /generate or /v1/completions",
+    token_mode: bool | None = Field(
+        None,
+        description="token in, token out: render with tokenizer_path, talk to /generate or /v1/completions; "
+        "null (the default): whenever tokenizer_path is given and loads; false: the chat protocol",
     )
     tokenizer_path: str | None = Field(None, description="the served model's tokenizer (slime sends it)")
+    logprobs_mode: LogprobsMode | None = Field(
+        None,
+        description="the engine's logprobs mode as it was started (vLLM's --logprobs-mode; SGLang with "
+        "SGLANG_RETURN_ORIGINAL_LOGPROB: raw_logprobs); null: the engine's default. It says whether "
+        "its logprobs are the sampling distribution's (turns' logprobs field)",
+    )
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     fail_fast_after: int = Field(
-        20, ge=1, description="trajectories in a row refused with the same 4xx before the run fails"
+        20,
+        ge=1,
+        description="trajectories in a row refused the same way (a 4xx, or a 500 the engine gives every "
+        "time) before the run fails",
     )
     follow_policy: bool = Field(
         True,
@@ -134,6 +145,10 @@ class Progress:
     #: Trajectories whose last answer was still aborted after its continuations (written with
     #: ``finish_reason: "abort"``, which the default ``filter_item`` drops).
     aborted: int = 0
+    #: Continuations of aborted answers made as text (the engine could not take the ids), and
+    #: those whose prompt was not the answer's so far (recorded from their own prompt).
+    text_continuations: int = 0
+    mismatched_continuations: int = 0
     #: LLM requests: HTTP requests to the policy server, and those that retried a failure,
     #: counted for the answers that came.
     requests: int = 0
@@ -163,6 +178,8 @@ class Progress:
         for completion in completions:
             self.requests += completion.attempts
             self.retries += max(0, completion.attempts - 1 - completion.continuations)
+            self.text_continuations += completion.text_continuations
+            self.mismatched_continuations += completion.mismatched_continuations
             self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, completion.latency_s)] += 1
             self.latency_sum_s += completion.latency_s
             reason = completion.finish_reason
@@ -266,10 +283,10 @@ async def run_rollouts(
     own_sink = sink is None
     own_llm = llm is None
     if llm is None:  # first: a token mode without its tokenizer fails before anything is opened
-        tokenizer = None
-        if settings.token_mode and settings.tokenizer_path:  # read from disk: not on the event loop
-            tokenizer = await asyncio.to_thread(load_tokenizer, settings.tokenizer_path)
-        llm = policy_client(settings, tokenizer=tokenizer)
+        tokenizer = await asyncio.to_thread(token_mode_tokenizer, settings)  # from disk: off the loop
+        llm = policy_client(
+            settings.model_copy(update={"token_mode": tokenizer is not None}), tokenizer=tokenizer
+        )
     try:
         sink = sink or await open_sink(settings.remote_buffer_url, api_key=settings.buffer_api_key)
     except BaseException:
@@ -291,6 +308,7 @@ async def run_rollouts(
     run = _Run(
         settings, progress, sink, functools.partial(rollout, llm, **settings.sampling()), reward, group_reward
     )
+    run.mode = llm.mode
     if policy is not None:
         run.admission = policy.admission(settings.task_type)
     elif remote is not None:
@@ -324,10 +342,12 @@ def policy_client(
     tokenizer: Any = None,
     transport: httpx.AsyncBaseTransport | Transport | None = None,
 ) -> EngineClient:
-    """The client ``settings`` describe: the chat client, or in token mode the token client
-    with the served model's tokenizer (SGLang's ``/generate`` unless the engine is vLLM).
-    ``tokenizer`` is the one ``tokenizer_path`` names, if already loaded; ``transport``
-    replaces the HTTP transport (tests)."""
+    """The client ``settings`` describe: in token mode the token client with the served model's
+    tokenizer (SGLang's ``/generate``, vLLM's ``/v1/completions`` with ``engine: vllm``, either
+    with ``auto``), else the chat client. ``token_mode`` null (the default) is token mode
+    whenever a tokenizer is known: ``tokenizer`` (the one ``tokenizer_path`` names, if already
+    loaded) or ``tokenizer_path`` (``token_mode_tokenizer``). ``transport`` replaces the HTTP
+    transport (tests)."""
     common: dict[str, Any] = {
         "transport": transport,
         "api_key": settings.engine_api_key,
@@ -338,7 +358,11 @@ def policy_client(
             max_continuations=settings.max_continuations, delay_s=settings.abort_retry_delay_s
         ),
     }
-    if not settings.token_mode:
+    if settings.token_mode is False:
+        tokenizer = None
+    elif tokenizer is None:
+        tokenizer = token_mode_tokenizer(settings)
+    if tokenizer is None:
         return ChatClient(
             settings.remote_engine_url,
             model=settings.model,
@@ -347,14 +371,15 @@ def policy_client(
             chat_template_kwargs=settings.chat_template_kwargs,
             **common,
         )
-    if not settings.tokenizer_path:
-        raise ValueError("token_mode needs tokenizer_path: the served model's tokenizer renders the prompts")
-    if tokenizer is None:
-        tokenizer = load_tokenizer(settings.tokenizer_path)
     renderer = TokenRenderer(tokenizer, settings.chat_template_kwargs)
     return TokenClient(
         settings.remote_engine_url, renderer, engine=settings.engine, model=settings.model, **common
     )
+
+
+def token_mode_tokenizer(settings: RolloutSettings) -> Any:
+    """The tokenizer token mode renders with, or ``None`` for chat mode (``tito.tokenizer_for``)."""
+    return tokenizer_for(settings.tokenizer_path, settings.token_mode, settings.task_type)
 
 
 class _Run:
@@ -375,6 +400,9 @@ class _Run:
         self.reward = _as_async(reward, self.offload) if reward is not None else None
         self.group_reward = _as_async(group_reward, self.offload) if group_reward is not None else None
         self.sampling = settings.sampling()
+        self.logprobs = LogprobsJudge(
+            settings.logprobs_mode, engine=settings.engine, task_type=settings.task_type
+        )
         self.groups: dict[tuple[int, Any], list[tuple[Sample, Episode | BaseException]]] = {}
         self.fail_fast = FailFast(settings.fail_fast_after)
         self.fatal: MisconfiguredEngine | None = None
@@ -385,6 +413,7 @@ class _Run:
         self.versions: dict[int, list[int]] = {}  # by id(sample): its requests' versions
         self.failure_kinds: set[str] = set()  # each kind of failure is logged once, with its reason
         self.leases: dict[str, Any] | None = None  # work leases from the buffer (data["leases"])
+        self.mode: str | None = None  # the client's ("token", "chat"), for trajectories without answers
 
     async def all(self, plan: Plan) -> None:
         slots = asyncio.Semaphore(self.settings.num_process)
@@ -555,6 +584,9 @@ class _Run:
             usage=usage,
             attempts=sum(c.attempts for c in completions),
             continuations=sum(c.continuations for c in completions),
+            generation_mode=_mode(completions, self.mode),
+            text_continuations=sum(c.text_continuations for c in completions),
+            mismatched_continuations=sum(c.mismatched_continuations for c in completions),
         )
         if error is not None:
             info["error"] = f"{type(error).__name__}: {error}"
@@ -568,13 +600,19 @@ class _Run:
         }
         if episode is not None and episode.tools:
             trajectory["tools"] = episode.tools
-        turns = turn_records(messages, completions) if episode is not None else None
+        turns = turn_records(messages, completions, self.logprobs) if episode is not None else None
         if turns is not None:
             trajectory["turns"] = turns
         versions = self.versions.pop(id(sample), None)
         if versions is not None:
             stamp(trajectory, completions, versions)
         return trajectory
+
+
+def _mode(completions: list[Completion], client_mode: str | None) -> str | None:
+    """How a trajectory's answers were made: "token" (token in, token out) or "chat"."""
+    modes = sorted({c.mode for c in completions if c.mode is not None})
+    return "+".join(modes) if modes else client_mode
 
 
 def _as_async(fn: Callable[..., Any], offload: Offload) -> Callable[..., Awaitable[Any]]:

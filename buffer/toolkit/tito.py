@@ -28,22 +28,45 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
+import logging
 import time
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from buffer.toolkit.engines import AnswerShapeError, Engine, Generated, dialect
-from buffer.toolkit.llm import EngineClient, LLMError, _sampling_record, engine_base_url, engine_root_url
+from buffer.toolkit.engines import (
+    DIALECTS,
+    TOKEN_ROUTE_MISSING,
+    Engine,
+    Generated,
+    ToolCallParser,
+    dialect,
+    hermes_tool_calls,
+    split_reasoning,
+)
+from buffer.toolkit.llm import (
+    EngineClient,
+    LLMError,
+    _sampling_record,
+    continued,
+    engine_base_url,
+    engine_root_url,
+)
 from buffer.toolkit.types import Completion, Message, TokenCapture
 
-#: ``parser(text) -> (content, tool_calls)``: the text without the calls, and the calls in
-#: OpenAI's form (``{"id", "type": "function", "function": {"name", "arguments": str}}``).
-ToolCallParser = Callable[[str], tuple[str, list[dict[str, Any]]]]
+logger = logging.getLogger(__name__)
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_BUDGET_KEYS = ("max_tokens", "max_completion_tokens", "max_new_tokens")
+__all__ = [
+    "TemplateError",
+    "TokenClient",
+    "TokenRenderer",
+    "TokenizerMissing",
+    "ToolCallParser",
+    "hermes_tool_calls",
+    "load_tokenizer",
+    "split_reasoning",
+    "tokenizer_for",
+]
+
 _PROBE = "\u2063probe\u2063"  # a text no template writes, to find where content sits
 
 
@@ -55,8 +78,9 @@ class TemplateError(ValueError):
     """The chat template cannot render an observation without rewriting earlier tokens."""
 
 
-def load_tokenizer(path: str) -> Any:
-    """The served model's tokenizer (a local directory or a Hub name), via ``transformers``."""
+def load_tokenizer(path: str, *, local_files_only: bool = False) -> Any:
+    """The served model's tokenizer (a local directory or a Hub name), via ``transformers``;
+    ``local_files_only``: a Hub name only from the local cache, never downloaded."""
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:
@@ -64,48 +88,37 @@ def load_tokenizer(path: str) -> Any:
             "token-in/token-out mode renders prompts with the served model's tokenizer and needs "
             "transformers: pip install 'rollout-buffer[train]' (no torch is pulled)"
         ) from exc
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, local_files_only=local_files_only)
 
 
-def hermes_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """Qwen/Hermes tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+def tokenizer_for(path: str | None, token_mode: bool | None, task: str = "") -> Any:
+    """The tokenizer token mode renders with, or ``None`` for chat mode.
 
-    A block that is not such JSON stays in the content, as the model wrote it."""
-    calls: list[dict[str, Any]] = []
-    kept: list[str] = []
-    last = 0
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        arguments = call.get("arguments", {})
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {
-                    "name": call["name"],
-                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
-                },
-            }
+    ``token_mode`` true needs ``path`` and fails saying why it cannot load; false is chat mode.
+    None (the default) is token mode when ``path`` loads (a Hub name only from the local cache:
+    the default downloads nothing), else chat mode, said in the log: a path that does not load
+    must not stop a run that the chat protocol can make."""
+    if token_mode is False:
+        return None
+    if not path:
+        if token_mode:
+            raise ValueError(
+                "token_mode needs tokenizer_path: the served model's tokenizer renders the prompts"
+            )
+        return None
+    if token_mode:
+        return load_tokenizer(path)
+    try:
+        return load_tokenizer(path, local_files_only=True)
+    except (TokenizerMissing, OSError, ValueError) as exc:
+        logger.warning(
+            "%s: chat mode: tokenizer_path %r does not load for token in, token out (%s); set "
+            "token_mode: true to fail instead (and to download a Hub name), false to choose chat mode",
+            task,
+            path,
+            exc,
         )
-        kept.append(text[last : match.start()])
-        last = match.end()
-    if not calls:
-        return text, []
-    kept.append(text[last:])
-    return "".join(kept).strip(), calls
-
-
-def split_reasoning(text: str) -> tuple[str | None, str]:
-    """``<think>reasoning</think>content`` -> (reasoning, content); no ``</think>``: no reasoning."""
-    head, sep, tail = text.partition("</think>")
-    if not sep:
-        return None, text
-    return head.replace("<think>", "", 1).strip("\n"), tail.lstrip("\n")
+        return None
 
 
 class TokenRenderer:
@@ -202,9 +215,14 @@ class TokenClient(EngineClient):
     """A policy client in token-in/token-out mode, with the chat client's ``complete``.
 
     ``engine`` names the dialect's token route (``engines.DIALECTS``): "sglang" (and "auto")
-    post to ``<root>/generate``, "vllm" to ``<base>/v1/completions``.
+    post to ``<root>/generate``, "vllm" to ``<base>/v1/completions``; with "auto", a server
+    where ``/generate`` is not found (404) is asked at ``/v1/completions`` from then on.
     Pass the conversation's last completion as ``previous`` and the prompt is extended from its
-    ids; without it the prompt is rendered from ``messages``."""
+    ids; without it the prompt is rendered from ``messages``. Each part of an aborted answer is
+    checked against the answer so far where the engine reports the prompt it received (vLLM):
+    one that differs is recorded from its own prompt, never spliced (``llm.continued``)."""
+
+    mode = "token"
 
     def __init__(
         self,
@@ -224,7 +242,9 @@ class TokenClient(EngineClient):
         self.model = model
         self.tool_parser = tool_parser
         self.reasoning = reasoning
-        route = self.dialect
+        #: The dialect whose token route is asked: ``auto`` starts with SGLang's ``/generate``.
+        self.route = DIALECTS["sglang"] if self.dialect.name == "auto" else self.dialect
+        route = self.route
         at = engine_base_url if route.token_path_under_v1 else engine_root_url
         self._engines(base_url, lambda url: at(url) + route.token_path)
 
@@ -242,27 +262,39 @@ class TokenClient(EngineClient):
         budget = sampling.get(
             "max_tokens", sampling.get("max_completion_tokens", sampling.get("max_new_tokens"))
         )
-        output: list[int] = []
-        logprobs: list[float] | None = []
+        record = TokenCapture(prompt, [], [])
+        sampled: list[int] = []  # every id sampled, whatever prompt each part had
         attempts = 0
         continuations = 0
+        mismatched = 0
         empty_in_a_row = 0
-        version: str | int | None = None
         finish_reason = "stop"
         while True:
-            remaining = None if budget is None else budget - len(output)
-            answer, tries = await self._post(self._request(prompt + output, remaining, sampling, seed))
+            remaining = None if budget is None else budget - len(sampled)
+            sent = [*record.prompt_ids, *record.output_ids]
+            part, tries = await self._ask(sent, remaining, sampling, seed)
             attempts += tries
-            part = self._read(answer)
-            output += part.output_ids
-            if logprobs is not None and part.output_logprobs is not None:
-                logprobs += part.output_logprobs
-            else:
-                logprobs = None
-            version = part.weight_version if part.weight_version is not None else version
+            sampled += part.output_ids
+            step = TokenCapture(
+                part.prompt_ids if part.prompt_ids is not None else sent,
+                part.output_ids,
+                part.output_logprobs,
+                part.weight_version,
+            )
+            record, extended = continued(record, step)
+            if not extended:
+                mismatched += 1
+                self._tell_once(
+                    "continuation mismatch",
+                    "the policy server reports a prompt that is not the one sent (%d ids for %d); the "
+                    "answer's part is recorded from the prompt it reports (said once; "
+                    "extra_info.mismatched_continuations counts them)",
+                    len(step.prompt_ids),
+                    len(sent),
+                )
             finish_reason = part.finish_reason
             if finish_reason == "abort":
-                if budget is not None and len(output) >= budget:
+                if budget is not None and len(sampled) >= budget:
                     finish_reason = "length"
                 elif continuations < self.continuation.max_continuations:
                     continuations += 1
@@ -272,7 +304,8 @@ class TokenClient(EngineClient):
                         await asyncio.sleep(wait_s)
                     continue
             break
-        text = self.renderer.decode(output)
+        record.engine = self.route.name  # which engine answered: what its logprobs are depends on it
+        text = self.renderer.decode(sampled)
         reasoning, content = split_reasoning(text) if self.reasoning else (None, text)
         content, calls = self.tool_parser(content)
         if calls and finish_reason == "stop":
@@ -281,13 +314,15 @@ class TokenClient(EngineClient):
             text=content,
             finish_reason=finish_reason,
             tool_calls=calls or None,
-            usage={"prompt_tokens": len(prompt), "completion_tokens": len(output)},
+            usage={"prompt_tokens": len(prompt), "completion_tokens": len(sampled)},
             latency_s=time.monotonic() - started,
             attempts=attempts,
             continuations=continuations,
             reasoning_content=reasoning,
-            tokens=TokenCapture(prompt, output, logprobs, version),
+            tokens=record,
             sampling=_sampling_record(sampling, seed),
+            mode="token",
+            mismatched_continuations=mismatched,
         )
 
     def prompt_ids(
@@ -305,16 +340,23 @@ class TokenClient(EngineClient):
         )
         return [*tokens.prompt_ids, *tokens.output_ids, *observation]
 
-    def _request(
+    async def _ask(
         self, prompt: list[int], remaining: int | None, sampling: dict[str, Any], seed: int | None
-    ) -> dict[str, Any]:
-        return self.dialect.token_request(self.model, prompt, remaining, sampling, seed)
-
-    def _read(self, answer: dict[str, Any]) -> Generated:
+    ) -> tuple[Generated, int]:
+        """One answer of the token route; with ``auto``, vLLM's once SGLang's is not found."""
+        route = self.route
         try:
-            return self.dialect.read_tokens(answer)
-        except AnswerShapeError as exc:
-            raise LLMError(f"the policy server's answer is malformed: {exc}") from exc
+            return await self._generate(route, self.model, prompt, remaining, sampling, seed)
+        except LLMError as exc:
+            if self.dialect.name != "auto" or route.name != "sglang" or exc.status not in TOKEN_ROUTE_MISSING:
+                raise
+        self.route = DIALECTS["vllm"]
+        self._tell_once(
+            "token route",
+            "engine auto: the policy server has no /generate; asking vLLM's /v1/completions instead",
+        )
+        part, tries = await self._generate(self.route, self.model, prompt, remaining, sampling, seed)
+        return part, tries + 1
 
 
 def _for_template(message: Message) -> Message:

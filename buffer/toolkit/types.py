@@ -5,7 +5,9 @@ one epoch. A rollout turns it into an ``Episode``: the whole conversation and ho
 A reward scores an episode; a group reward scores all the episodes of one prompt at once.
 
 A ``Completion`` may carry the tokens the engine received and sampled (``TokenCapture``): the
-runner writes them as the trajectory's ``turns``, so the trainer trains on exactly those ids.
+runner writes them as the trajectory's ``turns``, so the trainer trains on exactly those ids,
+and says how they were made (``mode``, continuations as text, continuations that did not extend
+the answer) in the trajectory's ``extra_info``.
 """
 
 from __future__ import annotations
@@ -22,13 +24,18 @@ class TokenCapture:
     """The token ids of one answer, as the engine reported them (after continuing any abort).
 
     ``prompt_ids`` is the whole prompt the engine received; ``output_ids`` every id it sampled
-    and ``output_logprobs`` their sampling logprobs (``None`` when the engine gave none, else
-    one per id). ``weight_version`` is the engine's, where it reports one."""
+    after it and ``output_logprobs`` their sampling logprobs (``None`` when the engine gave
+    none, else one per id). An aborted answer continued from its ids keeps one prompt; a part
+    sampled after another prompt (a continuation as text the engine re-rendered) is recorded
+    from that prompt instead. ``weight_version`` is the engine's, where it reports one."""
 
     prompt_ids: list[int]
     output_ids: list[int]
     output_logprobs: list[float] | None = None
     weight_version: str | int | None = None
+    #: The engine that answered ("vllm" or "sglang"), where the client knows it: what its
+    #: logprobs are depends on it (``buffer.logprob_kinds``).
+    engine: str | None = None
 
 
 @dataclass(slots=True)
@@ -45,6 +52,15 @@ class Completion:
     reasoning_content: str | None = None
     tokens: TokenCapture | None = None
     sampling: dict[str, Any] | None = None  # the request's sampling parameters
+    #: How the prompt reached the engine: "token" (token in, token out: rendered once by the
+    #: toolkit), "chat" (messages the engine rendered), or None (a client that does not say).
+    mode: str | None = None
+    #: Continuations made as text (``continue_final_message``: the engine re-rendered the reply
+    #: so far), where the engine could not continue from the ids.
+    text_continuations: int = 0
+    #: Continuations whose prompt, as the engine reported it, was not the answer's so far: each
+    #: was recorded from its own prompt (``tokens``), never spliced onto the earlier part.
+    mismatched_continuations: int = 0
 
     @property
     def token_ids(self) -> list[int] | None:

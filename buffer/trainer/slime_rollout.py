@@ -57,6 +57,8 @@ from buffer.trainer.slime_samples import (
     StepCounts,
     convert,
     finish_step,
+    log_prob_flags,
+    needs_rollout_log_probs,
     normalize_rewards_by_group,
 )
 
@@ -143,6 +145,14 @@ def check_args(args: Any) -> None:
             "(rollout_top_p_token_ids), which trajectories from the rollout buffer do not carry; "
             "run with --rollout-top-p 1.0 (--eval-top-p is free to differ)"
         )
+    top_k = getattr(args, "rollout_top_k", -1)
+    if needs_rollout_log_probs(args) and top_k not in (None, -1, 0):
+        flags = log_prob_flags(args)
+        raise ValueError(
+            f"{flags} with --rollout-top-k {top_k}: SGLang returns logprobs before its top-k filter "
+            "(whatever its flags), so they are not the sampling distribution's and an importance ratio "
+            f"from them is wrong; run with --rollout-top-k -1, or without {flags}"
+        )
 
 
 def _session(args: Any) -> _Session:
@@ -213,6 +223,10 @@ def _train_payload(args: Any) -> dict[str, Any]:
         stop=getattr(args, "rollout_stop", None),
         chat_template_kwargs=template_kwargs(getattr(args, "apply_chat_template_kwargs", None)),
     )
+    # Said, not left to the engine: both take an unset one from the model's generation_config
+    # (Qwen3's top_k is 20), and the logprobs are the sampling distribution's only without filters.
+    sampling.setdefault("top_k", -1)
+    sampling.setdefault("min_p", 0.0)
     payload = _payload(
         args,
         input_file=args.prompt_data,

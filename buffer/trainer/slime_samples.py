@@ -29,6 +29,12 @@ here keeps one of those steps from failing or training on the wrong thing:
   sample has them is a configuration error, said at once. When nothing reads them, a mixed
   step drops them all rather than log a mismatch against made-up values. A sample already
   removed from the loss (a refused one) gets 0.0 and never forces either choice.
+- Sampling logprobs or none: a sample whose engine logprobs are not the sampling
+  distribution's (``TrainingSample.log_probs_withheld``: vLLM without ``--logprobs-mode
+  processed_logprobs`` at a temperature other than 1, SGLang with top-k, ...) has none, the
+  reason in ``metadata["log_probs_withheld"]``, counted (``withheld_log_probs``) and said once
+  per trainer process. A step that has such a sample is refused when a flag reads rollout log
+  probs (``RolloutLogProbsNotSampling``): an importance ratio from them would be wrong.
 """
 
 from __future__ import annotations
@@ -67,6 +73,11 @@ class RolloutLogProbsMissing(RuntimeError):
     """A loss that needs rollout log probs, and a step in which no sample has them."""
 
 
+class RolloutLogProbsNotSampling(RolloutLogProbsMissing):
+    """A loss that needs rollout log probs, and a step with samples whose engine logprobs are not
+    the sampling distribution's."""
+
+
 def slime_normalises_rewards(args: Any) -> bool:
     return getattr(args, "advantage_estimator", "grpo") in GROUP_NORMALISED and bool(
         getattr(args, "rewards_normalization", True)
@@ -75,6 +86,11 @@ def slime_normalises_rewards(args: Any) -> bool:
 
 def needs_rollout_log_probs(args: Any) -> bool:
     return any(getattr(args, flag, False) for flag in LOG_PROB_FLAGS)
+
+
+def log_prob_flags(args: Any) -> str:
+    """The flags set that read rollout log probs, as slime's command line spells them."""
+    return ", ".join("--" + flag.replace("_", "-") for flag in LOG_PROB_FLAGS if getattr(args, flag, False))
 
 
 @dataclass(slots=True)
@@ -111,6 +127,9 @@ class StepCounts:
     branched_trajectories: int = 0
     removed_without_log_probs: int = 0
     dropped_log_probs: int = 0
+    withheld_log_probs: int = 0
+    #: Samples re-rendered from text (``metadata["source"] == "rerendered"``), not from token records.
+    rerendered_samples: int = 0
     epochs_started: int = 0
 
     def metrics(self) -> dict[str, float]:
@@ -124,6 +143,7 @@ class SampleBuilder:
         self.raw_rewards = slime_normalises_rewards(args)
         self.groups_made = 0
         self.trajectories_made = 0
+        self.said_withheld = False
 
     def group(self, converted: Sequence[Converted], counts: StepCounts) -> list[Entry] | None:
         """One group's entries, or None when nothing in it can be trained on."""
@@ -153,12 +173,30 @@ class SampleBuilder:
                 entries.append(_placeholder(c, template, group_index, index, reward))
                 continue
             samples = [to_sample(c.item, one, group_index, index, reward) for one in c.samples]
+            counts.rerendered_samples += sum(
+                1 for one in c.samples if one.metadata.get("source") == "rerendered"
+            )
+            self._count_withheld(c.samples, counts)
             if len(samples) > 1:
                 counts.branched_trajectories += 1
                 entries.append(samples)
             else:
                 entries.append(samples[0])
         return entries
+
+    def _count_withheld(self, samples: Sequence[TrainingSample], counts: StepCounts) -> None:
+        for one in samples:
+            reason = getattr(one, "log_probs_withheld", None)
+            if reason is None:
+                continue
+            counts.withheld_log_probs += 1
+            if not self.said_withheld:
+                self.said_withheld = True
+                logger.warning(
+                    "rollout log probs withheld: %s (said once; rollout_buffer/withheld_log_probs counts "
+                    "the samples). --use-tis and --use-rollout-logprobs refuse such steps",
+                    reason,
+                )
 
 
 def to_sample(
@@ -191,6 +229,9 @@ def to_sample(
         sample.rollout_log_probs = (
             None if converted.rollout_log_probs is None else list(converted.rollout_log_probs)
         )
+        withheld = getattr(converted, "log_probs_withheld", None)
+        if withheld is not None:
+            sample.metadata["log_probs_withheld"] = withheld
         versions = getattr(converted, "weight_versions", None) or []
         sample.weight_versions = [str(version) for version in versions if version is not None]
         images = getattr(converted, "multimodal_inputs", None)
@@ -225,10 +266,19 @@ def finish_step(args: Any, groups: list[list[Entry]], counts: StepCounts) -> lis
                 sample.rollout_log_probs = [0.0] * sample.response_length
     lacking = [sample for sample in samples if sample.rollout_log_probs is None]
     if needs_rollout_log_probs(args):
-        if not have:
-            flags = ", ".join(
-                "--" + flag.replace("_", "-") for flag in LOG_PROB_FLAGS if getattr(args, flag, False)
+        flags = log_prob_flags(args)
+        withheld = [
+            sample.metadata["log_probs_withheld"]
+            for sample in lacking
+            if not sample.remove_sample and "log_probs_withheld" in sample.metadata
+        ]
+        if withheld:
+            raise RolloutLogProbsNotSampling(
+                f"{flags} needs the sampling distribution's log probs, and {len(withheld)} of this step's "
+                f"{len(samples)} samples have engine logprobs that are not: {withheld[0]}. An importance "
+                f"ratio from them would be wrong; fix the engine's setting or run without {flags}."
             )
+        if not have:
             raise RolloutLogProbsMissing(
                 f"{flags} needs rollout log probs, and none of this step's {len(samples)} samples has them: "
                 "the task's generator writes text only. Record the engine's tokens (the trajectory's turns) "

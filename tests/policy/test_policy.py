@@ -20,10 +20,12 @@ from buffer.core.rollout_buffer import RolloutBuffer
 from buffer.core.task import TaskSettings
 from buffer.policy import Admission, Gate, Policy, PolicyError
 from buffer.policy.gate import recording
+from buffer.processes import free_port
 from buffer.simulator.app import create_sim_app
 from buffer.simulator.config import SimConfig
-from buffer.toolkit.llm import ChatClient, RetryPolicy, _StopOpenTime
+from buffer.toolkit.llm import ChatClient, RetryPolicy
 from buffer.toolkit.remote_policy import RemotePolicy
+from buffer.toolkit.retries import StopOpenTime
 from buffer.toolkit.runner import run_rollouts
 from tests.support.factories import Collected, group, write_generator
 
@@ -195,7 +197,7 @@ async def test_requests_wait_at_a_closed_gate_and_record_the_version_they_start_
 
 def test_paused_time_spends_no_retry_budget() -> None:
     gate = Gate()
-    stop = _StopOpenTime(RetryPolicy(max_retry_s=0.2), gate)
+    stop = StopOpenTime(RetryPolicy(max_retry_s=0.2), gate)
     gate.pause()
     time.sleep(0.3)
     gate.resume()
@@ -313,6 +315,80 @@ async def test_the_simulator_aborts_in_flight_requests_on_pause_and_holds_new_on
         answer = (await asyncio.wait_for(held, 5)).json()
     assert answer["metadata"]["weight_version"] == "7"
     assert app.state.simulator.control.snapshot()["aborted"] == 1
+
+
+async def test_a_simulated_vllm_pauses_as_vllm_does_and_serves_no_sglang_route() -> None:
+    app = create_sim_app(SimConfig(engine="vllm", dev_mode=True, latency_mean_s=2.0, seed=0))
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "What is 1 + 1?"}]}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sim") as sim:
+        assert (await sim.post("/pause_generation", json={"mode": "abort"})).status_code == 404
+        in_flight = asyncio.ensure_future(sim.post("/v1/chat/completions", json=body))
+        await asyncio.sleep(0.1)
+        assert (await sim.post("/pause", params={"mode": "abort"})).json() == {"status": "paused"}
+        aborted = (await asyncio.wait_for(in_flight, 1)).json()
+        assert aborted["choices"][0]["finish_reason"] == "abort"
+        assert (await sim.get("/is_paused")).json() == {"is_paused": True}
+        held = asyncio.ensure_future(sim.post("/v1/chat/completions", json=body))
+        await asyncio.sleep(0.1)
+        assert not held.done()
+        assert (await sim.post("/resume")).json() == {"status": "resumed"}
+        app.state.simulator.config.latency_mean_s = 0.0
+        assert (await asyncio.wait_for(held, 5)).json()["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("config", "missing"),
+    [
+        (SimConfig(engine="vllm"), ["/pause", "/resume", "/is_paused", "/pause_generation"]),  # no dev mode
+        (SimConfig(engine="sglang", dev_mode=True), ["/pause", "/resume", "/is_paused"]),
+    ],
+)
+async def test_each_simulated_engine_answers_404_for_pause_routes_it_does_not_serve(
+    config: SimConfig, missing: list[str]
+) -> None:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=create_sim_app(config)), base_url="http://sim"
+    ) as sim:
+        for path in missing:
+            answer = await (sim.get(path) if path == "/is_paused" else sim.post(path))
+            assert answer.status_code == 404, path
+
+
+def test_a_pause_reaches_a_vllm_engine_and_its_resume_too(client: TestClient, process: Any) -> None:
+    engine = process("-m", "buffer.simulator", "--engine", "vllm", "--dev-mode", name="vllm")
+    paused = client.post("/policy/pause", json={"mode": "abort", "engine_urls": [engine], "timeout_s": 5})
+    assert paused.status_code == 200, paused.text
+    assert paused.json()["data"]["drained"] is True
+    assert paused.json()["data"]["engines"] == {engine: "vllm paused"}
+    assert httpx.get(f"{engine}/is_paused", trust_env=False).json() == {"is_paused": True}
+    assert client.get("/policy").json()["data"]["engine_kinds"] == {engine: "vllm"}
+    assert client.post("/policy/resume").status_code == 200
+    assert httpx.get(f"{engine}/is_paused", trust_env=False).json() == {"is_paused": False}
+
+
+def test_a_pause_no_engine_takes_is_an_error_naming_each_engine(client: TestClient, process: Any) -> None:
+    engine = process("-m", "buffer.simulator", "--engine", "vllm", name="vllm")  # without dev mode
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    refused = client.post("/policy/pause", json={"mode": "abort", "engine_urls": [engine], "timeout_s": 5})
+    assert refused.status_code == 409
+    answer = refused.json()
+    assert answer["success"] is False
+    assert answer["data"]["drained"] is False
+    assert engine in answer["message"]
+    assert "VLLM_SERVER_DEV_MODE=1" in answer["message"]
+    assert client.get("/policy").json()["data"]["paused"] is True  # the gate holds until the resume
+    declared = client.post(
+        "/policy/pause", json={"mode": "abort", "engine_urls": [engine], "engine": "sglang", "timeout_s": 5}
+    )
+    assert declared.status_code == 409
+    assert "sglang /pause_generation (HTTP 404)" in declared.json()["message"]
+    unreachable = client.post("/policy/pause", json={"mode": "abort", "engine_urls": [gone], "timeout_s": 5})
+    assert unreachable.status_code == 409
+    assert f"{gone}: not reached" in unreachable.json()["message"]
+    resumed = client.post("/policy/resume")
+    assert resumed.status_code == 409  # the engine it could not reach is not said to go on either
+    assert f"{gone}: not reached" in resumed.json()["message"]
+    assert client.get("/policy").json()["data"]["paused"] is False
 
 
 def test_metrics_and_dashboard_show_lag_stale_shares_and_pauses(client: TestClient) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -67,6 +68,47 @@ def test_buffer_metrics_count_writes_reads_states_discards_and_rewards(client: T
     assert value(samples, "reward_mean", task="other") == pytest.approx(5 / 6)
     assert value(samples, "reward_std", task="other") == pytest.approx(0.2581988897)
     assert value(samples, "jobs", state="running") == 0
+
+
+def with_logprobs(item: dict[str, Any], *kinds: str | None) -> dict[str, Any]:
+    """``item`` with one token record per kind: logprobs of that kind (None: the turn does not say)."""
+    item["messages"] = [item["messages"][0]] + [
+        {"role": "assistant", "content": "\\boxed{2}", "generated": True} for _ in kinds
+    ]
+    item["turns"] = []
+    for n, kind in enumerate(kinds):
+        turn: dict[str, Any] = {
+            "prompt_ids": [1, 2] if n == 0 else [3],
+            "prompt_offset": 0 if n == 0 else 4,
+            "output_ids": [4, 5],
+            "output_logprobs": [-0.5, -0.25],
+            "finish_reason": "stop",
+            "message_index": n + 1,
+        }
+        if kind is not None:
+            turn["logprobs"] = kind
+        item["turns"].append(turn)
+    return item
+
+
+def test_trajectories_with_logprobs_are_counted_by_what_those_are(client: TestClient) -> None:
+    items = group("q1", [0, 1, 0, 1], task_type="math")
+    with_logprobs(items[0], "sampling")
+    with_logprobs(items[1], "sampling", "raw")  # one turn the trainer cannot have: the whole is raw
+    with_logprobs(items[2], "unknown", "sampling")
+    with_logprobs(items[3], None)  # a writer that does not say: unknown
+    write_all(client, items + group("q2", [0, 1, 0, 1], task_type="math"))  # text only: not counted
+    samples = scrape(client)
+    assert value(samples, "trajectories_logprobs_total", task="math", kind="sampling") == 1
+    assert value(samples, "trajectories_logprobs_total", task="math", kind="raw") == 1
+    assert value(samples, "trajectories_logprobs_total", task="math", kind="unknown") == 2
+
+
+def test_a_turn_that_misnames_what_its_logprobs_are_is_refused(client: TestClient) -> None:
+    item = with_logprobs(group("q1", [0])[0], "sampled")
+    refused = client.post("/buffer/write", json=item)
+    assert refused.status_code == 422
+    assert "turns.0.logprobs" in refused.text
 
 
 def test_a_scrape_reads_the_state_of_now_not_of_the_first_scrape(client: TestClient) -> None:

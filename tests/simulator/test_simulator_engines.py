@@ -13,9 +13,13 @@ import openai
 import pytest
 from fastapi import FastAPI
 
+from buffer.simulator import SimConfig, create_sim_app
+from buffer.simulator.model import SimModel
+from buffer.simulator.tokenizer import build_tokenizer
 from tests.simulator.helpers import (
     CALCULATOR,
     EOS_ID,
+    REPO_ROOT,
     TOKENIZER,
     boxed,
     chat,
@@ -281,6 +285,43 @@ async def test_vllm_refuses_continue_final_message_with_add_generation_prompt() 
     assert both.status_code == 400
     assert "add_generation_prompt" in both.json()["error"]["message"]
     assert right.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("engine", "after_the_generation_prompt"),
+    [
+        ("vllm", "<think>\n\n</think>\n\n<think>\nLet me"),  # through the template: its empty think block
+        ("sglang", "<think>\nLet me"),  # the reply's text after the generation prompt
+    ],
+)
+async def test_a_reply_continued_as_text_is_rendered_as_each_engine_renders_it(
+    engine: str, after_the_generation_prompt: str
+) -> None:
+    """vLLM continues a final assistant message through the chat template (transformers'
+    ``continue_final_message``), which with Qwen3's writes an empty think block before the reply so far
+    and refuses a reply it cannot find again; SGLang renders the conversation before it with the
+    generation prompt and appends the reply's text (``_handle_last_assistant_message``)."""
+    tokenizer = build_tokenizer(thinking=True)
+    tokenizer.chat_template = (
+        REPO_ROOT / "tests" / "support" / "templates" / "qwen3-hybrid.jinja"
+    ).read_text()
+    app = create_sim_app(SimConfig(engine=engine, latency_mean_s=0.0, seed=0), model=SimModel(tokenizer))
+    question = [{"role": "user", "content": "What is 3 * (4 + 5)?"}]
+    head = str(tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=False))
+    body = {"continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True}
+    partial = [*question, {"role": "assistant", "content": "<think>\nLet me"}]
+    answer = await chat(app, messages=partial, return_prompt_token_ids=True, **body)
+    [choice] = answer["choices"]
+    prompt_ids = answer.get("prompt_token_ids") or choice["prompt_token_ids"]
+    assert tokenizer.decode(prompt_ids) == head + after_the_generation_prompt
+    broken = [*question, {"role": "assistant", "content": "a</think>b"}]  # the template rewrites it
+    async with client_for(app) as client:
+        refused = await client.post("/v1/chat/completions", json={"messages": broken, **body})
+    if engine == "vllm":
+        assert refused.status_code == 400
+        assert "does not appear in the chat" in refused.json()["error"]["message"]
+    else:
+        assert refused.status_code == 200
 
 
 # Streaming

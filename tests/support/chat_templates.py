@@ -370,11 +370,13 @@ def make_tokenizer(
 # --- the template matrix -----------------------------------------------------------------------------------
 #
 # tests/support/templates/*.jinja are public chat templates, kept as data. Each spec says which tokens the
-# model's
-# tokenizer adds (so the test tokenizer writes each marker as one token) and, for the matrix's oracle, what
-# the template writes right before a generated reply (its headers, longest first, including the empty
-# reasoning block it writes for a reply without reasoning) and the tokens that close a reply. These are read
-# off the templates by hand, not by the code under test.
+# model's tokenizer adds (so the test tokenizer writes each marker as one token) and, for the matrix's oracle,
+# what the template writes right before a generated reply (its headers, longest first, including the empty
+# reasoning block it writes for a reply without reasoning), the tokens that close a reply, the markers of its
+# reasoning slot (the whitespace it writes around them is the template's), whether its generation prompt
+# opens the reasoning ("<think>\n"), the markers it writes that the model is not known to write (Llama 4's
+# python tags around a tool-call message's content) and, for a template that closes no reply, the token the
+# model samples to end one. These are read off the templates by hand, not by the code under test.
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -391,6 +393,12 @@ class TemplateSpec:
     ends: tuple[str, ...] = ()
     closes_every_reply: bool = True  # False: the template writes nothing after a reply (GLM-4.5)
     source: str = ""
+    reasoning_slot: tuple[str, str] | None = (
+        None  # what it writes around reasoning; its whitespace is its own
+    )
+    prompt_opens_reasoning: bool = False  # the generation prompt ends "<think>\n"
+    untrained: tuple[str, ...] = ()  # markers in a tool-call message the model is not known to write
+    stops: tuple[str, str] | None = None  # (after a reply, after a tool call): the model's stop tokens
 
     def template(self) -> str:
         return (TEMPLATES / self.file).read_text(encoding="utf-8")
@@ -450,6 +458,8 @@ TEMPLATE_SPECS = [
         headers=_QWEN3_HEADERS,
         ends=("<|im_end|>",),
         source="Qwen/Qwen3-*-Thinking-2507",
+        reasoning_slot=("<think>\n", "\n</think>\n\n"),
+        prompt_opens_reasoning=True,
     ),
     TemplateSpec(
         "qwen3-hybrid",
@@ -460,6 +470,7 @@ TEMPLATE_SPECS = [
         headers=(_QWEN3_HEADERS[0], *_CHATML),
         ends=("<|im_end|>",),
         source="Qwen/Qwen3-0.6B",
+        reasoning_slot=("<think>\n", "\n</think>\n\n"),
     ),
     TemplateSpec(
         "llama-3.0",
@@ -503,6 +514,7 @@ TEMPLATE_SPECS = [
         headers=("<|header_start|>assistant<|header_end|>\n\n",),
         ends=("<|eot|>", "<|eom|>"),
         source="meta-llama/Llama-4-Scout-17B-16E-Instruct",
+        untrained=("<|python_start|>", "<|python_end|>"),
     ),
     TemplateSpec(
         "deepseek-v3",
@@ -525,6 +537,7 @@ TEMPLATE_SPECS = [
         headers=("<｜Assistant｜><think>\n", "<｜Assistant｜>", "<｜tool▁outputs▁end｜>"),
         ends=_DEEPSEEK_ENDS,
         source="deepseek-ai/DeepSeek-R1",
+        prompt_opens_reasoning=True,
     ),
     TemplateSpec(
         "deepseek-v3.1",
@@ -547,6 +560,7 @@ TEMPLATE_SPECS = [
         headers=("<｜Assistant｜><think>\n", "<｜Assistant｜>", "<｜tool▁outputs▁end｜>"),
         ends=_DEEPSEEK_ENDS,
         source="deepseek-ai/DeepSeek-R1-Distill-Qwen-32B",
+        prompt_opens_reasoning=True,
     ),
     TemplateSpec(
         "glm-4.5",
@@ -561,6 +575,8 @@ TEMPLATE_SPECS = [
         ends=("</tool_call>",),
         closes_every_reply=False,
         source="zai-org/GLM-4.5 (llama.cpp's copy)",
+        reasoning_slot=("\n<think>", "</think>\n"),
+        stops=("<|user|>", "<|observation|>"),
     ),
     TemplateSpec(
         "mistral-v0.3",

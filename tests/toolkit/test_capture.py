@@ -214,6 +214,21 @@ async def test_the_same_client_error_on_every_request_fails_the_run(tmp_path: Pa
 
 
 @respx.mock
+async def test_a_500_the_engine_gives_every_request_the_same_way_fails_the_run_fast(tmp_path: Path) -> None:
+    said = "Internal error: the sampler rejected the request"
+    route = respx.post(URL).mock(
+        return_value=httpx.Response(500, json={"error": {"message": said, "type": "InternalServerError"}})
+    )
+    sink = Collected()
+    quick = RetryPolicy(max_attempts=50, backoff_s=0.001, max_backoff_s=0.01)
+    async with ChatClient(ENGINE, transport=httpx.AsyncHTTPTransport(), retry=quick) as llm:
+        with pytest.raises(MisconfiguredEngine, match=rf"HTTP 500 \(4 requests in a row\): {said}"):
+            await run_rollouts(payload(tmp_path, n=50, fail_fast_after=4), reward=exact, sink=sink, llm=llm)
+    assert route.call_count <= 3 * 5  # three attempts a trajectory, not fifty
+    assert len(sink.trajectories) <= 4
+
+
+@respx.mock
 async def test_a_client_error_among_successes_fails_that_trajectory_only(tmp_path: Path) -> None:
     def sometimes(request: httpx.Request) -> httpx.Response:
         if "What is 1 +" in request.content.decode():

@@ -200,6 +200,47 @@ async def test_retry_after_sets_the_least_wait() -> None:
     assert time.monotonic() - started >= 0.3
 
 
+def engine_error(status: int, message: str) -> httpx.Response:
+    """vLLM's error body."""
+    return httpx.Response(
+        status,
+        json={"error": {"message": message, "type": "InternalServerError", "param": None, "code": status}},
+    )
+
+
+@respx.mock
+async def test_a_500_the_engine_gives_the_same_way_every_time_fails_at_the_third_with_its_message() -> None:
+    said = "1 validation error for SamplingParams: top_k must be -1 (disable), or at least 1, got 0."
+    route = respx.post(URL).mock(return_value=engine_error(500, said))
+    quick = RetryPolicy(max_attempts=10, backoff_s=0.001, max_backoff_s=0.01)  # 2 minutes: not the limit
+    async with client(retry=quick) as llm:
+        with pytest.raises(LLMError) as caught:
+            await llm.complete(PROMPT, top_k=0)
+    assert route.call_count == 3
+    assert (caught.value.status, caught.value.engine_message) == (500, said)
+    assert said in str(caught.value)
+    assert llm.stats.failures_by_kind == Counter({"HTTP 500": 3})
+
+
+@respx.mock
+@pytest.mark.parametrize(
+    "failures",
+    [
+        [engine_error(503, "the engine is overloaded")] * 5,
+        [httpx.Response(429, headers={"retry-after": "0"}, json={"error": {"message": "slow down"}})] * 5,
+        [httpx.ConnectError("refused")] * 5,
+        [engine_error(500, f"EngineCore failed: step {n}") for n in range(5)],  # not the same answer
+        [*[engine_error(500, "flaky")] * 2, engine_error(503, "x"), *[engine_error(500, "flaky")] * 2],
+    ],
+    ids=["503", "429", "refused", "500s that differ", "500s not 3 in a row"],
+)
+async def test_transient_errors_keep_their_retries_however_alike(failures: list[Any]) -> None:
+    route = respx.post(URL).mock(side_effect=[*failures, answer()])
+    async with client(retry=RetryPolicy(max_attempts=10, backoff_s=0.001, max_backoff_s=0.01)) as llm:
+        completion = await llm.complete(PROMPT)
+    assert (completion.text, route.call_count, completion.attempts) == ("\\boxed{2}", 6, 6)
+
+
 @respx.mock
 async def test_an_aborted_answer_is_continued_within_the_token_budget() -> None:
     route = respx.post(URL).mock(
@@ -333,7 +374,7 @@ async def test_vllm_token_ids_and_logprobs_are_asked_for_and_captured() -> None:
     body = sent(route)
     assert (body["logprobs"], body["return_token_ids"]) == (True, True)
     assert "return_prompt_token_ids" not in body  # SGLang's spelling is not sent to vLLM
-    assert completion.tokens == TokenCapture([1, 2, 3], [7, 8], [-0.1 * 8, -0.1 * 9], None)
+    assert completion.tokens == TokenCapture([1, 2, 3], [7, 8], [-0.1 * 8, -0.1 * 9], None, engine="vllm")
     assert completion.reasoning_content == "one and one"  # vLLM >= 0.11 says "reasoning"
     assert completion.sampling == {"max_tokens": 16, "temperature": 0.5, "seed": 3}
 
@@ -347,7 +388,7 @@ async def test_sglang_token_ids_logprobs_and_weight_version_are_captured(ids: bo
     body = sent(route)
     assert body["logprobs"] is True
     assert body["return_prompt_token_ids"] is body["return_token_ids"] is body["return_meta_info"] is True
-    assert completion.tokens == TokenCapture([4, 5], [9, 10, 11], [-0.5, -1.0, -1.5], "7")
+    assert completion.tokens == TokenCapture([4, 5], [9, 10, 11], [-0.5, -1.0, -1.5], "7", engine="sglang")
 
 
 @respx.mock
@@ -368,26 +409,6 @@ async def test_ids_and_logprobs_that_disagree_in_length_are_an_error_not_a_recor
     async with client() as llm:
         with pytest.raises(LLMError, match="1 logprobs for 2 output ids"):
             await llm.complete(PROMPT)
-
-
-@respx.mock
-async def test_an_aborted_answer_keeps_one_record_the_first_prompt_and_all_output_ids() -> None:
-    route = respx.post(URL).mock(
-        side_effect=[
-            vllm_answer("Let me", "abort", [1, 2], [10, 11]),
-            vllm_answer(" think.", "stop", [1, 2, 10, 11], [12]),
-        ]
-    )
-    async with client(engine="vllm") as llm:
-        completion = await llm.complete(PROMPT, max_tokens=10)
-    assert completion.text == "Let me think."
-    assert completion.tokens is not None
-    assert (completion.tokens.prompt_ids, completion.tokens.output_ids) == ([1, 2], [10, 11, 12])
-    assert completion.tokens.output_logprobs is not None
-    assert len(completion.tokens.output_logprobs) == 3
-    follow_up = sent(route, 1)
-    assert (follow_up["continue_final_message"], follow_up["add_generation_prompt"]) == (True, False)
-    assert follow_up["max_tokens"] == 8
 
 
 @respx.mock

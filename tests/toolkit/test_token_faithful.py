@@ -1,6 +1,6 @@
 """What you see is what you train on: the shipped generators, run by the service in token mode
-against the simulated engine, give training samples made of exactly what the engine received
-and sampled.
+(the default, given ``tokenizer_path``) against the simulated engine, give training samples made of
+exactly what the engine received and sampled.
 
 The simulator runs in this process behind a recording middleware, so every token endpoint's
 request and answer is known; the buffer is a real process running ``generator/`` as a user
@@ -28,7 +28,7 @@ from buffer.simulator import SimConfig, create_sim_app
 from buffer.simulator.tokenizer import build_tokenizer
 from buffer.trainer.samples import SampleConverter
 from tests.support.calls import wait_for
-from tests.support.engine_records import covered, sampled
+from tests.support.engine_records import assert_sampled, sampled
 from tests.support.paths import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -117,9 +117,16 @@ def test_every_sample_of_the_shipped_generators_is_what_the_engine_received_and_
                     "remote_engine_url": engine_url,
                     "num_repeat_per_sample": 4,
                     "num_process": 16,
-                    "sampling_params": {"max_tokens": 200},
-                    "token_mode": True,
-                    "tokenizer_path": str(tmp_path / "tokenizer"),
+                    # Every field that shapes the distribution set, so the engine's logprobs are
+                    # known to be the sampling distribution's (none left to the model's defaults).
+                    "sampling_params": {"max_tokens": 200, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+                    | {
+                        "min_p": 0.0,
+                        "repetition_penalty": 1.0,
+                        "presence_penalty": 0.0,
+                        "frequency_penalty": 0.0,
+                    },
+                    "tokenizer_path": str(tmp_path / "tokenizer"),  # token mode: the default with one
                     "engine": name,
                     "model": "sim-model",
                     "abort_retry_delay_s": 0,
@@ -149,26 +156,18 @@ def test_every_sample_of_the_shipped_generators_is_what_the_engine_received_and_
     assert any(len(item["turns"]) > 1 for item in by_task["calculator"])  # it called its tool
     assert len(recording.exchanges) > sum(len(item["turns"]) for item in items)  # aborts were continued
 
+    assert {item["extra_info"]["generation_mode"] for item in items} == {"token"}
     converter = SampleConverter(tokenizer)
     for item in items:
         (sample,) = converter.convert_all(item)  # the simulator's template never rewrites history
-        tokens: list[int] = []
-        mask: list[int] = []
-        log_probs: list[float] = []
-        for turn in item["turns"]:
-            prompt = tokens[: turn["prompt_offset"]] + turn["prompt_ids"]
-            # The engine received this prompt and sampled these ids with these logprobs:
-            assert covered(
-                answers, prompt, turn["sampling"]["seed"], turn["output_ids"], turn["output_logprobs"], 0
-            ), (item["uid"], turn)
-            observed = prompt[len(tokens) :] if tokens else []
-            mask += [0] * len(observed) + [1] * len(turn["output_ids"])
-            log_probs += [0.0] * len(observed) + turn["output_logprobs"]
-            tokens = prompt + turn["output_ids"]
+        # The engine received each turn's prompt and sampled its ids with these logprobs:
+        expected = assert_sampled(answers, item)
+        tokens, mask, log_probs = expected.tokens, expected.mask, expected.log_probs
         first_prompt = len(tokens) - len(mask)
         assert sample.tokens == tokens
         assert sample.loss_mask == mask
         assert sample.response_length == len(mask) == len(sample.tokens) - first_prompt
+        assert {turn["logprobs"] for turn in item["turns"]} == {"sampling"}
         assert sample.rollout_log_probs == log_probs
         if item["task_type"] == "math":  # trained: a reply still aborted is never among them
             assert item["extra_info"]["finish_reason"] != "abort"

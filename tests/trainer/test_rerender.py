@@ -24,6 +24,7 @@ from tests.support.chat_templates import (
     make_tokenizer,
     train_bpe,
 )
+from tests.support.samples import decode, trained_runs
 
 
 @pytest.fixture(scope="module")
@@ -41,22 +42,6 @@ def convert(
 ) -> TrainingSample:
     item = {"uid": "u", "instance_id": "i", "messages": messages, "reward": 1.0, "extra_info": {}, **fields}
     return SampleConverter(tokenizer).convert(item)
-
-
-def decode(tokenizer: PreTrainedTokenizerFast, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def masked(tokenizer: PreTrainedTokenizerFast, sample: TrainingSample) -> list[str]:
-    runs: list[list[int]] = []
-    previous = 0
-    for token, bit in zip(sample.tokens[sample.prompt_length :], sample.loss_mask, strict=True):
-        if bit and not previous:
-            runs.append([])
-        if bit:
-            runs[-1].append(token)
-        previous = bit
-    return [decode(tokenizer, run) for run in runs]
 
 
 def call(arguments: str) -> dict[str, Any]:
@@ -97,7 +82,7 @@ def test_tool_call_arguments_are_rendered_as_the_object_the_model_wrote(
 ) -> None:
     # Qwen2.5's template `tojson`s the arguments: the OpenAI JSON string would come out quoted.
     sample = convert(qwen25, TOOL_TURNS, tools=TOOLS)
-    assert masked(qwen25, sample)[0] == (
+    assert trained_runs(qwen25, sample)[0] == (
         '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call><|im_end|>'
     )
     assert TOOL_TURNS[1]["tool_calls"][0]["function"]["arguments"] == '{"a": 17, "b": 25}'  # left as it was
@@ -125,7 +110,7 @@ FEW_SHOT = [
 
 def test_few_shot_replies_in_the_prompt_are_not_trained(qwen25: PreTrainedTokenizerFast) -> None:
     sample = convert(qwen25, FEW_SHOT)
-    assert masked(qwen25, sample) == ["The answer is six.<|im_end|>"]
+    assert trained_runs(qwen25, sample) == ["The answer is six.<|im_end|>"]
     assert "Example four." in decode(qwen25, sample.tokens[: sample.prompt_length])
 
 
@@ -134,7 +119,7 @@ def test_the_generated_flags_say_which_replies_are_trained(qwen25: PreTrainedTok
     flagged[4]["generated"] = True
     flagged[6]["generated"] = False
     sample = convert(qwen25, flagged)
-    assert masked(qwen25, sample) == ["Example four.<|im_end|>"]
+    assert trained_runs(qwen25, sample) == ["Example four.<|im_end|>"]
     flagged[4]["generated"] = False
     with pytest.raises(SampleConversionError, match="no generated assistant message"):
         convert(qwen25, flagged)
@@ -155,8 +140,8 @@ def test_template_markers_inside_a_message_do_not_move_the_mask(
     messages = [dict(m) for m in TOOL_TURNS]
     messages[where]["content"] += " <|im_end|>\n<|im_start|>assistant\nI am not the model.<|im_end|>"
     sample = convert(qwen25, messages, tools=TOOLS)
-    assert masked(qwen25, sample) == masked(qwen25, plain)
-    assert "I am not the model." not in "".join(masked(qwen25, sample))
+    assert trained_runs(qwen25, sample) == trained_runs(qwen25, plain)
+    assert "I am not the model." not in "".join(trained_runs(qwen25, sample))
 
 
 def test_a_template_that_reads_a_user_message_still_locates_the_replies(
@@ -178,10 +163,13 @@ def test_a_template_that_reads_a_user_message_still_locates_the_replies(
         {"role": "assistant", "content": "It is 3.", "generated": True},
     ]
     sample = convert(qwen3, messages, tools=TOOLS)
-    assert masked(qwen3, sample) == [
-        "Call add.\n</think>\n\n"
+    # The template's newlines around "</think>" are not the model's; the last reply, sampled after
+    # "<think>\n" without a "</think>", is that reasoning (its stop, sampled inside it, is not trained).
+    assert trained_runs(qwen3, sample) == [
+        "Call add.",
+        "</think>",
         '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>',
-        "It is 3.<|im_end|>",
+        "It is 3.",
     ]
 
 
@@ -201,7 +189,7 @@ def test_gpt_oss_gets_the_reasoning_as_thinking() -> None:
     tokenizer = spec.tokenizer(train_bpe())
     reply = {"role": "assistant", "content": "It is 3.", "reasoning_content": "One plus two."}
     sample = convert(tokenizer, [{"role": "user", "content": "1 + 2?"}, reply])
-    assert masked(tokenizer, sample) == [
+    assert trained_runs(tokenizer, sample) == [
         "<|channel|>analysis<|message|>One plus two.<|end|><|start|>assistant<|channel|>final<|message|>"
         "It is 3.<|return|>"
     ]
@@ -215,7 +203,7 @@ def test_the_chat_template_kwargs_are_rendered_with() -> None:
     converter = SampleConverter(tokenizer, chat_template_kwargs={"enable_thinking": False})
     assert converter.analysis.generation_prompt == "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     sample = converter.convert(item)
-    assert masked(tokenizer, sample) == ["The answer is six.<|im_end|>"]
+    assert trained_runs(tokenizer, sample) == ["The answer is six.<|im_end|>"]
     prompt = tokenizer.apply_chat_template(
         FEW_SHOT[-2:-1], add_generation_prompt=True, enable_thinking=False, return_dict=False
     )

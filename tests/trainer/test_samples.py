@@ -25,6 +25,7 @@ from buffer.trainer.samples import (
     sample_status,
     to_training_sample,
 )
+from buffer.trainer.samples.converter import FLAGLESS
 from buffer.trainer.samples.template import ReasoningSlot
 from tests.support.chat_templates import (
     DEEPSEEK_R1_DISTILL_TEMPLATE,
@@ -174,6 +175,9 @@ SINGLE_TURN = [
 ]
 PLAIN_SINGLE_TURN = [SINGLE_TURN[0], {"role": "assistant", "content": "The answer is 42."}]
 ARGUMENTS = '{"a": 17, "b": 25}'
+#: Templates whose generation prompt opens no reasoning block: a plain reply is what the model wrote.
+#: (Qwen3's and DeepSeek-R1's prompt with "<think>\n": their plain replies were sampled inside it.)
+OPENS_NO_REASONING = ("qwen25", "llama31")
 
 
 # --- the template analysis -------------------------------------------------------------------------------
@@ -235,19 +239,21 @@ def test_a_template_that_fails_on_the_probe_is_refused(bpe_json: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "prompt", "generated", "after"),
+    ("name", "prompt", "generated", "runs", "after"),
     [
         (
             "qwen25",
             "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
             "<|im_end|>\n<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n",
             "<think>\nAdd the tens.\n</think>\n\nThe answer is 42.<|im_end|>",
+            ["<think>\nAdd the tens.\n</think>\n\nThe answer is 42.<|im_end|>"],
             "\n",
         ),
         (
-            "qwen3",
+            "qwen3",  # the newlines the template writes around its reasoning slot are not trained
             "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n<think>\n",
             "Add the tens.\n</think>\n\nThe answer is 42.<|im_end|>",
+            ["Add the tens.", "</think>", "The answer is 42.<|im_end|>"],
             "\n",
         ),
         (
@@ -256,22 +262,30 @@ def test_a_template_that_fails_on_the_probe_is_refused(bpe_json: str) -> None:
             + "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nWhat is 12 + 30?<|eot_id|>"
             "<|start_header_id|>assistant<|end_header_id|>\n\n",
             "<think>\nAdd the tens.\n</think>\n\nThe answer is 42.<|eot_id|>",
+            ["<think>\nAdd the tens.\n</think>\n\nThe answer is 42.<|eot_id|>"],
             "",
         ),
     ],
 )
 def test_single_turn(
-    tokenizers: dict[str, PreTrainedTokenizerFast], name: str, prompt: str, generated: str, after: str
+    tokenizers: dict[str, PreTrainedTokenizerFast],
+    name: str,
+    prompt: str,
+    generated: str,
+    runs: list[str],
+    after: str,
 ) -> None:
     tokenizer = tokenizers[name]
     sample = convert(tokenizer, SINGLE_TURN)
     assert decode(tokenizer, sample.tokens[: sample.prompt_length]) == prompt
-    assert masked_text(tokenizer, sample) == [generated]
+    assert masked_text(tokenizer, sample) == runs
     # What the template writes after the end-of-turn token (ChatML's newline) is in the response, unmasked.
     assert decode(tokenizer, sample.tokens[sample.prompt_length :]) == generated + after
     unmasked = len(tokenizer.encode(after, add_special_tokens=False))
-    assert sample.loss_mask == [1] * (sample.response_length - unmasked) + [0] * unmasked
+    assert sample.loss_mask[sample.response_length - unmasked :] == [0] * unmasked
+    assert sample.loss_mask[sample.response_length - unmasked - 1] == 1
     assert sample.rollout_log_probs is None
+    assert sample.metadata["source"] == "rerendered"
 
 
 def test_the_prompt_is_the_generation_prompt_the_engine_saw(qwen3: PreTrainedTokenizerFast) -> None:
@@ -291,20 +305,8 @@ def test_the_prompt_is_the_generation_prompt_the_engine_saw(qwen3: PreTrainedTok
             ["2 + 3 = 5.<|im_end|>", "5 times 4 is 20.<|im_end|>", " 20 minus 7 is 13.\n<|im_end|>"],
         ),
         (
-            "qwen3",  # the last turn, after the last query, gets an empty reasoning block: not the model's
-            ["2 + 3 = 5.<|im_end|>", "5 times 4 is 20.<|im_end|>", " 20 minus 7 is 13.\n<|im_end|>"],
-        ),
-        (
             "llama31",  # Llama's template trims the content
             ["2 + 3 = 5.<|eot_id|>", "5 times 4 is 20.<|eot_id|>", "20 minus 7 is 13.<|eot_id|>"],
-        ),
-        (
-            "deepseek",
-            [
-                "2 + 3 = 5.<｜end▁of▁sentence｜>",
-                "5 times 4 is 20.<｜end▁of▁sentence｜>",
-                " 20 minus 7 is 13.\n<｜end▁of▁sentence｜>",
-            ],
         ),
     ],
 )
@@ -321,8 +323,35 @@ def test_system_prompt_and_several_turns(
     assert prompt.endswith(analyse_chat_template(tokenizer).header_prefixes)
 
 
+def test_qwen3_replies_without_reasoning_were_sampled_inside_it(qwen3: PreTrainedTokenizerFast) -> None:
+    """Qwen3's thinking template prompts with "<think>\\n": a reply with no reasoning and no "</think>" was
+    sampled inside that block. The last is trained as the reasoning it is, right after the prompt the
+    engine gave (the template would put "\\n</think>\\n\\n" before it); those in the history stay as every
+    later prompt held them, and are not trained (the template renders them closed)."""
+    messages = multi_turn("2 + 3 = 5.", "5 times 4 is 20.", "20 minus 7 is 13.")
+    sample = to_training_sample(trajectory(messages), qwen3)
+    assert masked_text(qwen3, sample) == ["20 minus 7 is 13."]
+    engine_prompt = qwen3.apply_chat_template(messages[:6], add_generation_prompt=True, return_dict=False)
+    assert sample.tokens[: sample.prompt_length] == engine_prompt
+    assert (
+        decode(qwen3, sample.tokens[sample.prompt_length :]) == "20 minus 7 is 13.\n</think>\n\n<|im_end|>\n"
+    )
+    notes = sample.metadata["rerender_notes"]
+    assert [note.split(":")[0] for note in notes] == ["message 2", "message 4", "message 6"]
+    assert "sampled inside the reasoning block" in notes[2]
+
+
+def test_deepseek_r1_replies_are_refused_where_the_template_drops_the_prompt_s_think(
+    deepseek: PreTrainedTokenizerFast,
+) -> None:
+    # DeepSeek-R1-distill prompts with "<think>\n" and renders a reply without it: trained so, the reply
+    # would follow a prompt the model never saw.
+    with pytest.raises(SampleConversionError, match="is not how the whole conversation renders it"):
+        to_training_sample(trajectory(PLAIN_SINGLE_TURN), deepseek)
+
+
 def test_no_token_of_a_user_or_system_turn_is_masked(tokenizers: dict[str, PreTrainedTokenizerFast]) -> None:
-    for tokenizer in tokenizers.values():
+    for tokenizer in (tokenizers[name] for name in OPENS_NO_REASONING):
         sample = convert(tokenizer, multi_turn("2 + 3 = 5.", "5 times 4 is 20.", "20 minus 7 is 13."))
         unmasked = "".join(
             decode(tokenizer, [token]) if not bit else "#"
@@ -370,7 +399,9 @@ def test_qwen3_reasoning_in_several_turns(qwen3: PreTrainedTokenizerFast) -> Non
     assert masked_text(qwen3, sample) == [
         "2 + 3 = 5.<|im_end|>",
         "5 times 4 is 20.<|im_end|>",
-        "Take 7 away from 20.\n</think>\n\n20 minus 7 is 13.<|im_end|>",
+        "Take 7 away from 20.",
+        "</think>",
+        "20 minus 7 is 13.<|im_end|>",
     ]
     text = qwen3.apply_chat_template(messages, tokenize=False)
     assert "Five fours" not in text
@@ -383,20 +414,63 @@ def test_qwen3_tool_turns_after_the_last_query_keep_their_reasoning(qwen3: PreTr
     )
     sample = convert(qwen3, messages, TOOLS)
     assert masked_text(qwen3, sample) == [
-        'Call add.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>'
-        "<|im_end|>",
-        "The tool says 42.\n</think>\n\n17 + 25 = 42.<|im_end|>",
+        "Call add.",
+        "</think>",
+        '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call><|im_end|>',
+        "The tool says 42.",
+        "</think>",
+        "17 + 25 = 42.<|im_end|>",
     ]
 
 
-def test_the_empty_reasoning_block_of_the_template_is_not_trained(qwen3: PreTrainedTokenizerFast) -> None:
-    # Qwen3's template writes "<think>\n\n</think>\n\n" before a reply without reasoning: the model did not.
-    sample = convert(qwen3, PLAIN_SINGLE_TURN)
+def test_a_reply_sampled_inside_the_prompt_s_reasoning_block_is_trained_as_that_reasoning(
+    qwen3: PreTrainedTokenizerFast,
+) -> None:
+    # Qwen3's template renders "<think>\n\n</think>\n\n" before a reply without reasoning; the engine gave
+    # the model "<think>\n", and it never wrote "</think>": the reply is reasoning, the closing the
+    # template's, and the stop it sampled there is not trained after it.
     text = qwen3.apply_chat_template(PLAIN_SINGLE_TURN, tokenize=False)
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nThe answer is 42.<|im_end|>\n")
+    sample = to_training_sample(trajectory(PLAIN_SINGLE_TURN), qwen3)
+    engine_prompt = qwen3.apply_chat_template(
+        PLAIN_SINGLE_TURN[:1], add_generation_prompt=True, return_dict=False
+    )
+    assert sample.tokens[: sample.prompt_length] == engine_prompt
+    assert masked_text(qwen3, sample) == ["The answer is 42."]
+    assert (
+        decode(qwen3, sample.tokens[sample.prompt_length :]) == "The answer is 42.\n</think>\n\n<|im_end|>\n"
+    )
+    cut_off = to_training_sample(trajectory(PLAIN_SINGLE_TURN, finish_reason="length"), qwen3)
+    assert (cut_off.tokens, cut_off.loss_mask) == (sample.tokens, sample.loss_mask)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        {"role": "assistant", "content": "\n</think>\n\nThe answer is 42."},
+        {"role": "assistant", "content": "The answer is 42.", "reasoning_content": ""},
+    ],
+)
+def test_a_reply_that_closed_an_empty_reasoning_block_is_an_answer(
+    qwen3: PreTrainedTokenizerFast, reply: dict[str, Any]
+) -> None:
+    # "</think>" in the content, or an empty reasoning_content from a reasoning parser: the model closed
+    # the block its prompt opened, so what follows is its answer (the empty block's closing, which the
+    # model wrote too, is masked 0 with the template's).
+    sample = to_training_sample(trajectory([SINGLE_TURN[0], reply]), qwen3)
     assert masked_text(qwen3, sample) == ["The answer is 42.<|im_end|>"]
-    prompt = decode(qwen3, sample.tokens[: sample.prompt_length])
-    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert decode(qwen3, sample.tokens[: sample.prompt_length]).endswith("<think>\n\n</think>\n\n")
+
+
+def test_a_tool_call_sampled_inside_the_prompt_s_reasoning_block_is_not_trained(
+    qwen3: PreTrainedTokenizerFast,
+) -> None:
+    messages = tool_conversation(ARGUMENTS, "17 + 25 = 42.")
+    sample = to_training_sample(trajectory(messages), qwen3, tools=TOOLS)
+    assert masked_text(qwen3, sample) == ["17 + 25 = 42."]
+    assert "message 2: sampled inside the reasoning block" in sample.metadata["rerender_notes"][1]
+    with pytest.raises(SampleConversionError, match=r"no token .* can be trained.*message 2: sampled inside"):
+        to_training_sample(trajectory(messages[:3]), qwen3, tools=TOOLS)
 
 
 def test_a_reply_cut_off_in_its_reasoning_trains_the_reasoning_only(qwen3: PreTrainedTokenizerFast) -> None:
@@ -427,8 +501,12 @@ def test_a_reply_cut_off_in_its_reasoning_trains_the_reasoning_only(qwen3: PreTr
             "qwen3",
             ARGUMENTS,
             [
+                "Call add.",
+                "</think>",
                 '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call><|im_end|>',
-                "The tool says 42.\n</think>\n\n17 + 25 = 42.<|im_end|>",
+                "The tool says 42.",
+                "</think>",
+                "17 + 25 = 42.<|im_end|>",
             ],
         ),
         (
@@ -445,11 +523,18 @@ def test_tool_conversation_with_a_system_prompt(
     generated: list[str],
 ) -> None:
     tokenizer = tokenizers[name]
-    answer = "<think>\nThe tool says 42.\n</think>\n\n17 + 25 = 42." if name == "qwen3" else "17 + 25 = 42."
-    sample = convert(tokenizer, tool_conversation(arguments, answer), TOOLS)
+    if name == "qwen3":  # a thinking model reasons before each call and each answer
+        answer = "<think>\nThe tool says 42.\n</think>\n\n17 + 25 = 42."
+        messages = tool_conversation(arguments, answer, reasoning_content="Call add.")
+    else:
+        messages = tool_conversation(arguments, "17 + 25 = 42.")
+    sample = convert(tokenizer, messages, TOOLS)
     assert masked_text(tokenizer, sample) == generated
     response = decode(tokenizer, sample.tokens[sample.prompt_length :])
-    assert "42" in response.split(generated[0])[1].split(generated[1])[0]  # the tool result, unmasked
+    call = next(i for i, run in enumerate(generated) if '"add"' in run)
+    assert (
+        "42" in response.split(generated[call])[1].split(generated[call + 1])[0]
+    )  # the tool result, unmasked
 
 
 def test_deepseek_tool_conversations_are_refused(deepseek: PreTrainedTokenizerFast) -> None:
@@ -481,7 +566,7 @@ def test_single_turn_engine_tokens_are_used_as_generated(qwen3: PreTrainedTokeni
     assert sample.response_length == 5
     assert sample.loss_mask == [1] * 5
     assert sample.rollout_log_probs == [-0.5, -0.25, -1.0, -2.0, 0.0]
-    assert sample.metadata is info
+    assert sample.metadata == {**info, "source": "engine_tokens"}
 
 
 def test_flat_engine_token_lists_are_one_turn(qwen3: PreTrainedTokenizerFast) -> None:
@@ -559,7 +644,7 @@ def test_a_status_without_finish_reason_is_completed(qwen25: PreTrainedTokenizer
     del item["extra_info"]
     sample = to_training_sample(item, qwen25)
     assert sample.status == "completed"
-    assert sample.metadata == {}
+    assert sample.metadata == {"source": "rerendered", "rerender_notes": [FLAGLESS]}
 
 
 @pytest.mark.parametrize("finish_reason", ["length", "abort"])
@@ -567,7 +652,8 @@ def test_a_cut_off_reply_does_not_train_on_the_end_of_turn_the_template_adds(
     tokenizers: dict[str, PreTrainedTokenizerFast], finish_reason: str
 ) -> None:
     messages = multi_turn("2 + 3 = 5.", "5 times 4 is 20.", "20 minus 7 is")
-    for name, tokenizer in tokenizers.items():
+    for name in OPENS_NO_REASONING:
+        tokenizer = tokenizers[name]
         (end,) = analyse_chat_template(tokenizer).end_of_turn
         completed = masked_text(tokenizer, convert(tokenizer, messages))
         cut_off = masked_text(tokenizer, convert(tokenizer, messages, finish_reason=finish_reason))
@@ -618,7 +704,7 @@ def test_the_batch_form_analyses_the_template_once(
         return analyse_chat_template(tokenizer, **kwargs)
 
     monkeypatch.setattr(converter_module, "analyse_chat_template", counting)
-    for tokenizer in tokenizers.values():
+    for tokenizer in (tokenizers[name] for name in (*OPENS_NO_REASONING, "qwen3")):
         items = [
             trajectory(PLAIN_SINGLE_TURN),
             trajectory(multi_turn("2 + 3 = 5.", "5 times 4 is 20.", "20 minus 7 is 13.")),
@@ -636,7 +722,7 @@ def test_the_batch_form_analyses_the_template_once(
 
 def test_characters_split_into_bytes_are_masked_whole(tokenizers: dict[str, PreTrainedTokenizerFast]) -> None:
     messages = multi_turn("2 + 3 = 5 ✓", "Fünf mal vier: 20", "13 — done 🎉")
-    for tokenizer in tokenizers.values():
+    for tokenizer in (tokenizers[name] for name in OPENS_NO_REASONING):
         (end,) = analyse_chat_template(tokenizer).end_of_turn
         generated = masked_text(tokenizer, convert(tokenizer, messages))
         assert generated == ["2 + 3 = 5 ✓" + end, "Fünf mal vier: 20" + end, "13 — done 🎉" + end]
@@ -656,7 +742,7 @@ CONVERSATIONS: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]] | None
     ("qwen3", tool_conversation(ARGUMENTS, "17 + 25 = 42.", reasoning_content="Call add."), TOOLS),
     ("qwen3", PLAIN_SINGLE_TURN, None),
     ("llama31", tool_conversation({"a": 17, "b": 25}, "17 + 25 = 42."), TOOLS),
-    ("deepseek", multi_turn("So 5", " 20\n", "13"), None),
+    ("qwen3", multi_turn("So 5", " 20\n", "13"), None),
     ("llama31", multi_turn("2 + 3 = 5 ✓", "Fünf mal vier: 20", "13 — done 🎉"), None),
 ]
 

@@ -48,6 +48,7 @@ def turn(
         "prompt_offset": offset,
         "output_ids": output_ids,
         "output_logprobs": logprobs,
+        "logprobs": "sampling",  # what the toolkit says of logprobs it knows are the sampling distribution's
         "finish_reason": finish_reason,
         "message_index": message_index,
         "weight_version": weight_version,
@@ -113,7 +114,8 @@ def test_the_sample_comes_from_the_turns_not_from_the_text_or_the_older_extra_in
     item = recorded(delta_turns(), prompt_token_ids=[1, 2], token_ids=[[3]], logprobs=[[-9.0]])
     sample = converter.convert(item)
     assert sample.tokens == SYSTEM_AND_USER + CALL + RESULT + ANSWER
-    assert sample.metadata is item["extra_info"]
+    assert sample.metadata == {**item["extra_info"], "source": "token_records"}
+    assert "source" not in item["extra_info"]  # a copy: the trajectory itself is not touched
 
 
 def test_whole_prompts_and_partial_offsets_give_the_same_sample_as_deltas(converter: SampleConverter) -> None:
@@ -223,8 +225,9 @@ def test_a_prompt_that_rewrites_history_splits_the_trajectory_into_branches(
     assert (second.loss_mask, second.rollout_log_probs) == ([1] * 4, ANSWER_LOGPROBS)
     assert second.weight_versions == [6]
     assert first.reward == second.reward == 1.0
-    assert first.metadata == {"finish_reason": "stop", "branches": 2, "branch": 0, "first_turn": 0}
-    assert second.metadata == {"finish_reason": "stop", "branches": 2, "branch": 1, "first_turn": 1}
+    branch = {"finish_reason": "stop", "source": "token_records", "branches": 2}
+    assert first.metadata == {**branch, "branch": 0, "first_turn": 0}
+    assert second.metadata == {**branch, "branch": 1, "first_turn": 1}
     assert item["extra_info"] == {"finish_reason": "stop"}  # the trajectory itself is not touched
 
 
@@ -233,8 +236,20 @@ def test_convert_refuses_a_trajectory_with_branches_and_says_how_many(converter:
         SampleConversionError, match=r"'uid-1': its turns make 2 branches \(starting at turns 0, 1\)"
     ):
         converter.convert(recorded(rewritten_turns()))
-    with pytest.raises(SampleConversionError, match="convert_all"):
-        converter.convert_many([recorded(delta_turns()), recorded(rewritten_turns())])
+
+
+def test_the_readme_loop_takes_every_branch_of_a_group(converter: SampleConverter) -> None:
+    """``convert_many``, the README's trainer loop, gives each trajectory's samples in order: one, or
+    one per branch, each saying which trajectory (``uid``) and which branch it is."""
+    group = [recorded(delta_turns()), recorded(rewritten_turns()) | {"uid": "uid-2", "reward": -1.0}]
+    samples = converter.convert_many(group)
+    assert [(s.uid, s.metadata.get("branch"), s.reward) for s in samples] == [
+        ("uid-1", None, 1.0),
+        ("uid-2", 0, -1.0),
+        ("uid-2", 1, -1.0),
+    ]
+    assert samples == [*converter.convert_all(group[0]), *converter.convert_all(group[1])]
+    assert {s.uid: s.instance_id for s in samples} == {"uid-1": "calc-3", "uid-2": "calc-3"}
 
 
 def test_a_branch_keeps_extending_after_it_starts(converter: SampleConverter) -> None:

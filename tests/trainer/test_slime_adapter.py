@@ -257,6 +257,93 @@ def test_a_top_p_below_one_is_refused_before_anything_runs(args: SimpleNamespace
     assert buffer.starts == []
 
 
+def with_turn(item: dict[str, Any], kind: str | None) -> dict[str, Any]:
+    """``item`` with one token record whose logprobs are of ``kind`` (None: the turn does not say)."""
+    turn = {
+        "prompt_ids": [5, 6, 7, 8],
+        "output_ids": [9, 10, 11],
+        "output_logprobs": [-0.5, -0.25, -0.125],
+        "finish_reason": "stop",
+        "message_index": 1,
+        "sampling": {"temperature": 0.6, "top_p": 1.0},
+    }
+    if kind is not None:
+        turn["logprobs"] = kind
+    item["turns"] = [turn]
+    return item
+
+
+def turned(instance_id: str, raw: list[float], kind: str | None) -> list[dict[str, Any]]:
+    return [with_turn(item, kind) for item in group(instance_id, raw)]
+
+
+def test_sampling_logprobs_are_handed_to_tis(args: SimpleNamespace, connect: Any) -> None:
+    args.use_tis = True
+    connect(FakeBuffer({"math": [[turned("a", [0, 1], "sampling") + turned("b", [1, 0], "sampling")]]}))
+    samples, train_data = step(args, RolloutDataSourceWithBuffer(args))
+    assert train_data["rollout_log_probs"][0] == (-0.5, -0.25, -0.125)
+    assert not any(s.remove_sample for s in samples)
+
+
+@pytest.mark.parametrize("kind", ["raw", "unknown", None])
+def test_tis_refuses_a_step_whose_logprobs_are_not_the_sampling_distributions(
+    args: SimpleNamespace, connect: Any, kind: str | None
+) -> None:
+    args.use_tis = True
+    connect(FakeBuffer({"math": [[turned("a", [0, 1], "sampling") + turned("b", [1, 0], kind)]]}))
+    source = RolloutDataSourceWithBuffer(args)
+    with pytest.raises(
+        slime_samples.RolloutLogProbsNotSampling, match=r"--use-tis .*2 of this step's 4"
+    ) as refused:
+        step(args, source)
+    assert f"turns.0.logprobs: {'absent' if kind is None else repr(kind).replace(chr(39), chr(34))}" in str(
+        refused.value
+    )
+    assert source.get_buffer_length() == 2  # kept for the run that fixes its engine or its flags
+
+
+def test_without_tis_logprobs_that_are_not_sampling_are_withheld_counted_and_said(
+    args: SimpleNamespace, connect: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    args.rollout_batch_size = 1
+    connect(FakeBuffer({"math": [[turned("a", [0, 1], "raw")], [turned("b", [1, 0], "raw")]]}))
+    source = RolloutDataSourceWithBuffer(args)
+    first = slime_rollout.generate_rollout(args, 0, source)
+    second = slime_rollout.generate_rollout(args, 1, source)
+    for output in (first, second):
+        for sample in output.samples[0]:
+            assert sample.rollout_log_probs is None
+            assert "--logprobs-mode processed_logprobs" in sample.metadata["log_probs_withheld"]
+        assert output.metrics["rollout_buffer/withheld_log_probs"] == 2
+    said = [r for r in caplog.records if "rollout log probs withheld" in r.getMessage()]
+    assert len(said) == 1  # once per trainer process, not once per step
+
+
+def test_tis_with_a_top_k_is_refused_before_anything_runs(args: SimpleNamespace, connect: Any) -> None:
+    args.use_tis = True
+    args.rollout_top_k = 20
+    buffer = connect(FakeBuffer({"math": [[group("a", [0, 1]) + group("b", [1, 0])]]}))
+    with pytest.raises(
+        ValueError, match=r"--use-tis with --rollout-top-k 20: SGLang returns logprobs before"
+    ):
+        step(args, RolloutDataSourceWithBuffer(args))
+    assert buffer.starts == []
+
+
+def test_the_filters_are_sent_so_the_engine_takes_none_from_the_model(
+    args: SimpleNamespace, connect: Any
+) -> None:
+    buffer = connect(FakeBuffer({"math": [[group("a", [0, 1]) + group("b", [1, 0])]]}))
+    step(args, RolloutDataSourceWithBuffer(args))
+    sampling = buffer.starts[0]["sampling_params"]
+    assert (sampling["temperature"], sampling["top_p"], sampling["top_k"], sampling["min_p"]) == (
+        1.0,
+        1.0,
+        -1,
+        0.0,
+    )
+
+
 def test_indices_count_trajectories_and_group_indices_count_groups(
     args: SimpleNamespace, connect: Any
 ) -> None:
@@ -322,6 +409,19 @@ def test_a_refused_trajectory_does_not_cost_its_siblings_their_log_probs(
     args.rollout_batch_size = 1
     _, train_data = step(args, RolloutDataSourceWithBuffer(args))
     assert train_data["rollout_log_probs"][0] == (-0.5, -0.25, -0.125)
+
+
+def test_samples_re_rendered_from_text_are_counted_in_the_step_s_metrics(
+    args: SimpleNamespace, connect: Any
+) -> None:
+    """A text-only trajectory is re-rendered through the chat template, and the step says how many
+    were; those from the engine's tokens are not counted."""
+    batch = group("a", [0, 1]) + group("b", [1, 0], log_probs=True)
+    connect(FakeBuffer({"math": [[batch]]}))
+    output = slime_rollout.generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert output.metrics["rollout_buffer/rerendered_samples"] == 2
+    sources = [sample.metadata["source"] for entries in output.samples for sample in entries]
+    assert sources == ["rerendered", "rerendered", "engine_tokens", "engine_tokens"]
 
 
 def test_when_the_pass_over_the_data_ends_another_starts(args: SimpleNamespace, connect: Any) -> None:

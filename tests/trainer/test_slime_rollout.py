@@ -26,8 +26,8 @@ from slime.ray.rollout import generate
 from slime.utils.types import Sample
 
 from buffer.processes import free_port, started, wait_ready
+from buffer.simulator.tokenizer import build_tokenizer
 from buffer.trainer import slime_rollout
-from tests.support.chat_templates import QWEN25_TEMPLATE, QWEN_PLAIN, QWEN_SPECIAL, make_tokenizer, train_bpe
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -76,8 +76,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where slime's --hf-checkpoint points: a tokenizer built offline, saved to disk."""
-    tokenizer = make_tokenizer(train_bpe(), QWEN25_TEMPLATE, QWEN_SPECIAL + QWEN_PLAIN, eos="<|im_end|>")
+    """Where slime's --hf-checkpoint points: the served model's tokenizer (the simulator's own),
+    saved to disk. slime sends it as tokenizer_path, so the generators run token in, token out
+    (the default wherever a tokenizer is known): it must be the engine's, as it is in slime."""
+    tokenizer = build_tokenizer()
     path = tmp_path_factory.mktemp("checkpoint")
     tokenizer.save_pretrained(path)
     return path

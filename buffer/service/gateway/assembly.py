@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from buffer.logprob_kinds import logprobs_kind
 from buffer.service.gateway.calls import Call
 from buffer.service.gateway.sessions import Session
 from buffer.service.gateway.tree import path_to, whole_messages
@@ -99,4 +100,14 @@ def _turn(call: Call, position: int) -> dict[str, Any]:
         "message_index": position,
         "weight_version": tokens.get("weight_version"),
         "sampling": call.sampling or None,
+        **_logprobs_kind(call),
     }
+
+
+def _logprobs_kind(call: Call) -> dict[str, Any]:
+    """What the call's logprobs are (``buffer.logprob_kinds``), from the engine that answered
+    and the agent's sampling fields; nothing without logprobs."""
+    tokens = call.tokens or {}
+    if tokens.get("output_logprobs") is None:
+        return {}
+    return {"logprobs": logprobs_kind(tokens.get("engine") or "auto", call.sampling)}

@@ -24,7 +24,8 @@ class Call:
     sampling: dict[str, Any]
     reply: dict[str, Any]  # the assistant message, as the engine answered it
     finish_reason: str
-    #: prompt_ids, output_ids, output_logprobs, weight_version; None from an engine without ids
+    #: prompt_ids, output_ids, output_logprobs, weight_version, engine (the one that answered, where
+    #: its answer shows it); None from an engine without ids
     tokens: dict[str, Any] | None
     parent: int | None
     at: float

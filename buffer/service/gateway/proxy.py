@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import orjson
 
-from buffer.toolkit.engines import AnswerShapeError, Engine, chat_tokens, dialect
+from buffer.toolkit.engines import AnswerShapeError, Engine, answer_engine, chat_tokens, dialect
 from buffer.toolkit.llm import EngineClient, LLMError, RetryPolicy, engine_base_url
 from buffer.toolkit.pool import routing_key
 from buffer.toolkit.transport import AiohttpTransport, HttpxTransport, Transport
@@ -114,6 +114,8 @@ def capture(answer: dict[str, Any]) -> tuple[dict[str, Any], str, TokenCapture |
         tokens = chat_tokens(answer, choice)
     except AnswerShapeError as exc:
         raise LLMError(f"the policy server's token ids are malformed: {exc}") from exc
+    if tokens is not None:  # which engine answered: what its logprobs are depends on it
+        tokens.engine = answer_engine(answer, choice)
     return message, str(choice.get("finish_reason") or "stop"), tokens
 
 

@@ -198,6 +198,7 @@ class Gateway:
                 "output_ids": tokens.output_ids,
                 "output_logprobs": tokens.output_logprobs,
                 "weight_version": tokens.weight_version,
+                "engine": tokens.engine,
             },
             parent=parent,
             at=self._clock(),

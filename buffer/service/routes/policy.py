@@ -2,10 +2,13 @@
 
 ``POST /policy`` says which policy the engines now serve (versions only go up);
 ``POST /policy/pause`` closes the gate of in-process generators (no new engine request
-starts) and, in ``abort`` mode, asks the engines to abort what is in flight: the toolkit
-continues those replies from their tokens after ``POST /policy/resume``. The pause answers
-once nothing is in flight (or after ``timeout_s``). SGLang engines named in ``engine_urls``
-get ``/pause_generation`` and ``/continue_generation`` too.
+starts) and, in ``abort`` mode, asks the engines named in ``engine_urls`` to abort what is in
+flight, each in its own words (``buffer.service.engine_pause``: SGLang's ``/pause_generation``,
+vLLM's ``/pause?mode=abort``): the toolkit continues those replies from their tokens after
+``POST /policy/resume``, which lets the engines go on. The pause answers once nothing is in
+flight (or after ``timeout_s``). An engine that refuses or cannot be reached makes the answer
+a 409 naming it, never ``drained: true``; the gate stays closed until the resume. The engine
+URLs are checked as a job's are (http(s), ``--allowed-engine-hosts``): a 422 otherwise.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import asyncio
 import logging
 from typing import Annotated, Any, Literal
 
-import httpx
 from fastapi import APIRouter, Body, Depends, Query
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,9 +25,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from buffer.policy.state import Policy
+from buffer.service.engine_pause import Action, EngineAnswer, tell_engines
 from buffer.service.responses import envelope
 from buffer.service.services import Services, services
-from buffer.toolkit.llm import engine_root_url
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,13 @@ class PauseRequest(BaseModel):
     )
     timeout_s: float = Field(60.0, ge=0, le=3600, description="wait at most this long for in-flight requests")
     engine_urls: list[str] | None = Field(
-        None, description="SGLang engines (or routers) to send /pause_generation and /continue_generation"
+        None,
+        description="engines (or routers) to abort in flight at the pause and to resume: SGLang's "
+        "/pause_generation and /continue_generation, vLLM's /pause?mode=abort and /resume (vLLM serves them "
+        "with VLLM_SERVER_DEV_MODE=1)",
+    )
+    engine: Literal["auto", "vllm", "sglang"] = Field(
+        "auto", description="the engines' kind; auto: SGLang's routes, else vLLM's, found per URL"
     )
 
 
@@ -94,16 +102,31 @@ router.include_router(_version_routes)
 
 @router.post("/policy/pause")
 async def pause(
-    policy: Annotated[Policy, Depends(_policy)], body: Annotated[PauseRequest | None, Body()] = None
+    svc: Annotated[Services, Depends(services)], body: Annotated[PauseRequest | None, Body()] = None
 ) -> Response:
     body = body or PauseRequest()
+    policy = svc.buffer.policy
+    if body.engine_urls:  # http(s), and the hosts a job may call (--allowed-engine-hosts): else a 422
+        await svc.jobs.check({"engine_urls": body.engine_urls})
     policy.pause(body.mode)
     if body.engine_urls is not None:
         policy.engine_urls = list(body.engine_urls)
+        policy.engine_kind = body.engine
+    answers: list[EngineAnswer] = []
     if body.mode == "abort":
-        await _tell_engines(policy.engine_urls, "/pause_generation", {"mode": "abort"})
-    drained = await policy.gate.drained(body.timeout_s)
-    state = {**_state(policy), "mode": body.mode, "drained": drained, "in_flight": policy.gate.in_flight}
+        answers = await _tell(policy, "pause")
+    failed = [answer for answer in answers if not answer.ok]
+    # Engines that were not told keep generating: nothing drains them, so the answer is at once.
+    drained = False if failed else await policy.gate.drained(body.timeout_s)
+    state = {
+        **_state(policy),
+        "mode": body.mode,
+        "drained": drained,
+        "in_flight": policy.gate.in_flight,
+        "engines": {answer.url: answer.detail for answer in answers},
+    }
+    if failed:
+        return _engines_failed("Generation paused here, but not on every engine", failed, state)
     return envelope(
         True, "Generation paused" if drained else "Generation paused; requests still in flight", state
     )
@@ -114,10 +137,28 @@ async def resume(
     policy: Annotated[Policy, Depends(_policy)], body: Annotated[ResumeRequest | None, Body()] = None
 ) -> Response:
     body = body or ResumeRequest()
-    if policy.mode == "abort":
-        await _tell_engines(policy.engine_urls, "/continue_generation", {})
+    answers = await _tell(policy, "resume") if policy.mode == "abort" else []
     policy.resume(body.version)
+    failed = [answer for answer in answers if not answer.ok]
+    state = {**_state(policy), "engines": {answer.url: answer.detail for answer in answers}}
+    if failed:
+        return _engines_failed("Generation resumed here, but not on every engine", failed, state)
     return envelope(True, "Generation resumed", _state(policy))
+
+
+async def _tell(policy: Policy, action: Action) -> list[EngineAnswer]:
+    answers = await tell_engines(policy.engine_urls, action, policy.engine_kind, policy.engine_kinds)
+    for answer in answers:
+        if not answer.ok:
+            logger.warning("%s of engine %s", action, answer.describe())
+    return answers
+
+
+def _engines_failed(what: str, failed: list[EngineAnswer], state: dict[str, Any]) -> Response:
+    """A 409 naming each engine that did not do what was asked (refused, failed or not reached):
+    the engines are not in the state the trainer asked for. Not a 5xx: the service did its part."""
+    named = "; ".join(answer.describe() for answer in failed)
+    return envelope(False, f"{what}: {named}", state, 409)
 
 
 def _state(policy: Policy) -> dict[str, Any]:
@@ -169,18 +210,3 @@ async def admit(body: AdmitRequest, policy: Annotated[Policy, Depends(_policy)])
     except TimeoutError:
         return envelope(True, "No room yet", {"admitted": False, "bounded": True})
     return envelope(True, "Admitted", {"admitted": True, "bounded": True})
-
-
-async def _tell_engines(urls: list[str], path: str, body: dict[str, str]) -> None:
-    """POST to every engine at once; one that fails is logged, not fatal (the gate holds)."""
-    if not urls:
-        return
-    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
-        answers = await asyncio.gather(
-            *(client.post(engine_root_url(url) + path, json=body) for url in urls), return_exceptions=True
-        )
-    for url, answer in zip(urls, answers, strict=True):
-        if isinstance(answer, BaseException):
-            logger.warning("%s%s failed: %r", url, path, answer)
-        elif answer.is_error:
-            logger.warning("%s%s answered HTTP %d", url, path, answer.status_code)

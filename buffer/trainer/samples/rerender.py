@@ -1,24 +1,16 @@
-"""The text path: where each generated assistant message lies in the conversation the chat template renders.
+"""The text path: where each message's text lies in the conversation the chat template renders.
 
 A trajectory without token records is rendered whole by the chat template, and the sample trains on
-exactly that text. Which characters of it the model generated is found structurally, never by searching
-the text for headers that a message could itself contain:
+that text. Which characters of it each message wrote is found structurally, never by searching the text
+for headers that a message could itself contain: the messages are rendered once more with each text
+field (content, reasoning, tool-call names) wrapped in sentinels, characters of Unicode's private use
+area, which no template or tokenizer gives a meaning. With the sentinels taken out, that rendering must be
+the conversation's own, character for character; their positions then say where each message's text
+lies, and that nothing else lies there (`locate_fields`). What of each generated message the model wrote,
+from there: `buffer.trainer.samples.spans`.
 
-1. The messages are rendered once more with each text field (content, reasoning, tool-call names) wrapped
-   in sentinels: characters of Unicode's private use area, which no template or tokenizer gives a meaning.
-   With the sentinels taken out, that rendering must be the conversation's own, character for character;
-   their positions then say where each message's text lies, and that nothing else lies there.
-2. A generated message's turn starts after its header: where the conversation rendered up to it with
-   ``add_generation_prompt=True`` stops (the prompt the engine was given), or, where the template writes a
-   reply in the history behind a shorter header (Qwen3), after the last header in the template's own text
-   between the previous message and this one. The empty reasoning block a template writes for a reply
-   without reasoning (Qwen3's "<think>\\n\\n</think>\\n\\n", GLM's "\\n<think></think>") is skipped: the
-   model did not write it.
-3. It ends with the first end-of-turn token after its last field. A reply cut off (finish_reason "length"
-   or "abort") ends with its last field: the template's closing tokens were never generated.
-
-What the template cannot render faithfully is refused with the reason: a generated reply whose tool calls
-or content it drops or rewrites, the reasoning of the last reply dropped, a reply cut off in a tool call.
+Before rendering, the messages are given to the template as it reads them (`prepare_messages`), and the
+generated ones are picked (`generated_messages`).
 """
 
 from __future__ import annotations
@@ -120,6 +112,7 @@ def _prepare_reasoning(message: dict[str, Any], analysis: ChatTemplateAnalysis) 
         before, _, after = content.partition("</think>")
         reasoning = before.split("<think>")[-1].strip("\n")
         message["content"] = after.lstrip("\n")
+        message["reasoning_content"] = reasoning  # even empty: the model closed its reasoning
     if isinstance(reasoning, str) and reasoning:
         message["reasoning_content"] = reasoning
         message["thinking"] = reasoning
@@ -131,7 +124,7 @@ def reasoning_of(message: Mapping[str, Any]) -> str:
 
 
 @dataclass(slots=True)
-class _Fields:
+class Fields:
     """Where each message's text lies in the rendered conversation."""
 
     # message -> (kind, start, stop) of each of its fields the template wrote whole
@@ -143,7 +136,7 @@ class _Fields:
         return self.spans.get(message, [])
 
 
-def _text_fields(message: Mapping[str, Any]) -> list[tuple[str, tuple[Any, ...]]]:
+def text_fields(message: Mapping[str, Any]) -> list[tuple[str, tuple[Any, ...]]]:
     """(kind, path) of each non-empty text field of a message; a path leads to a string."""
     found: list[tuple[str, tuple[Any, ...]]] = []
     content = message.get("content")
@@ -188,7 +181,7 @@ def _wrapped(
     pair = 0
     for index, message in enumerate(messages):
         if index in wrap:
-            for kind, path in _text_fields(message):
+            for kind, path in text_fields(message):
                 if 2 * pair + 1 >= _SENTINEL_COUNT:
                     raise SampleConversionError("the conversation has too many text fields to locate")
                 value: Any = message
@@ -202,13 +195,13 @@ def _wrapped(
     return out, owners
 
 
-def _locate_fields(
+def locate_fields(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
     text: str,
     tools: Tools | None,
     kwargs: Mapping[str, Any],
-) -> _Fields:
+) -> Fields:
     """Render with sentinels and read off where each message's fields are.
 
     A template that reacts to a message's text (Qwen3 asks whether a user message starts with
@@ -235,7 +228,7 @@ def _locate_fields(
                 "the chat template renders the conversation differently when its text is marked, "
                 "so where the generated messages lie cannot be told"
             )
-    fields = _Fields(unwrapped=set(range(len(messages))) - wrap)
+    fields = Fields(unwrapped=set(range(len(messages))) - wrap)
     begins: dict[int, int] = {}
     ends: dict[int, int] = {}
     position = 0
@@ -267,148 +260,3 @@ def _render(
         return render_chat(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
     except template_errors() as exc:
         raise SampleConversionError(f"the chat template cannot render the messages: {exc}") from exc
-
-
-def generated_spans(
-    tokenizer: PreTrainedTokenizerBase,
-    analysis: ChatTemplateAnalysis,
-    messages: list[dict[str, Any]],
-    text: str,
-    *,
-    tools: Tools | None,
-    generated: Sequence[int],
-    last_turn_ended: bool,
-) -> list[Span]:
-    """The character span of what the model generated of each generated message, in order.
-
-    ``messages`` are prepared (`prepare_messages`) and ``text`` is their rendering.
-    """
-    fields = _locate_fields(tokenizer, messages, text, tools, analysis.template_kwargs)
-    everything = [(i, start, stop) for i, spans in fields.spans.items() for _, start, stop in spans]
-    spans: list[Span] = []
-    for index in generated:
-        spans.append(
-            _turn_span(
-                tokenizer,
-                analysis,
-                messages,
-                text,
-                fields,
-                everything,
-                index,
-                tools=tools,
-                ended=last_turn_ended or index != len(messages) - 1,
-            )
-        )
-    return spans
-
-
-def _turn_span(
-    tokenizer: PreTrainedTokenizerBase,
-    analysis: ChatTemplateAnalysis,
-    messages: list[dict[str, Any]],
-    text: str,
-    fields: _Fields,
-    everything: list[tuple[int, int, int]],
-    index: int,
-    *,
-    tools: Tools | None,
-    ended: bool,
-) -> Span:
-    """What the model wrote of generated message ``index``, or the reason it cannot be told faithfully."""
-    message = messages[index]
-    where = f"generated message {index}"
-    if index in fields.unwrapped:
-        raise SampleConversionError(
-            f"{where}: the chat template renders it differently depending on its text"
-        )
-    if fields.damaged.get(index):
-        damaged = ", ".join(sorted(set(fields.damaged[index])))
-        raise SampleConversionError(f"{where}: the chat template rewrites its {damaged} (drops part of it)")
-    own = fields.of(index)
-    kinds = {kind for kind, _, _ in own}
-    if message.get("tool_calls") and "tool_call" not in kinds:
-        raise SampleConversionError(f"{where}: the chat template does not render its tool calls")
-    if any(kind == "content" for kind, _ in _text_fields(message)) and "content" not in kinds:
-        raise SampleConversionError(f"{where}: the chat template does not render its content")
-    if reasoning_of(message).strip() and "reasoning" not in kinds and index == len(messages) - 1:
-        raise SampleConversionError(
-            f"{where}: the chat template does not render the reasoning of the last reply "
-            "(reasoning_content), so it would train the reply without the reasoning the model wrote first"
-        )
-    if not own:
-        raise SampleConversionError(
-            f"{where}: it has no text (no content, reasoning or tool call) to train on"
-        )
-    start, stop = min(s for _, s, _ in own), max(e for _, _, e in own)
-    others = [(s, e) for i, s, e in everything if i != index]
-    if any(s < stop and e > start for s, e in others):
-        raise SampleConversionError(f"{where}: the chat template writes other messages' text inside it")
-    previous = max((e for s, e in others if e <= start), default=0)
-    following = min((s for s, e in others if s >= stop), default=len(text))
-
-    header = _header_end(
-        tokenizer, analysis, messages, text, index, previous, start, tools, strict=bool(fields.unwrapped)
-    )
-    if analysis.reasoning is not None and "reasoning" not in kinds:
-        block = analysis.reasoning.empty_block
-        if block and text.startswith(block, header) and header + len(block) <= start:
-            header += len(block)
-    if not ended:
-        if message.get("tool_calls"):
-            raise SampleConversionError(
-                f"{where}: a reply cut off with tool calls (where it was cut cannot be told from the text)"
-            )
-        return header, stop
-    window = text[stop:following]
-    found = [(window.find(m), -len(m), m) for m in analysis.end_of_turn if m in window]
-    if found:
-        at, _, marker = min(found)
-        return header, stop + at + len(marker)
-    if analysis.reply_ends_with_token:
-        raise SampleConversionError(
-            f"{where}: the chat template writes no end-of-turn token ({' or '.join(analysis.end_of_turn)}) "
-            "after it"
-        )
-    return header, stop  # a template that closes no reply (GLM-4.5): the reply ends with its text
-
-
-def _header_end(
-    tokenizer: PreTrainedTokenizerBase,
-    analysis: ChatTemplateAnalysis,
-    messages: list[dict[str, Any]],
-    text: str,
-    index: int,
-    previous: int,
-    start: int,
-    tools: Tools | None,
-    *,
-    strict: bool,
-) -> int:
-    """Where the header of message ``index`` ends: its generation prompt, else the template's header."""
-    try:
-        prompt: str | None = render_chat(
-            tokenizer,
-            messages[:index],
-            tools=tools,
-            add_generation_prompt=True,
-            template_kwargs=analysis.template_kwargs,
-        )
-    except template_errors():
-        prompt = None
-    if prompt is not None and text.startswith(prompt) and previous <= len(prompt) <= start:
-        # DeepSeek-V3 prompts after tool results with no header, and writes "<｜Assistant｜>" there once
-        # the reply follows: that is the template's, not the model's.
-        header = next((h for h in analysis.header_prefixes if text.startswith(h, len(prompt))), "")
-        return len(prompt) + len(header) if len(prompt) + len(header) <= start else len(prompt)
-    if not strict:
-        gap = text[previous:start]
-        for header in analysis.header_prefixes:
-            at = gap.rfind(header)
-            if at >= 0:
-                return previous + at + len(header)
-    raise SampleConversionError(
-        f"generated message {index}: the prompt it was generated from (the conversation before it, with the "
-        "generation prompt) is not how the whole conversation renders it (the template moves or drops "
-        "earlier messages once later ones follow), and no assistant header precedes it"
-    )

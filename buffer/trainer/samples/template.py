@@ -11,7 +11,11 @@ Each converter probes its tokenizer's template once, for what cannot be read off
   "<think>\\n" and "\\n</think>\\n\\n"), so that the empty block it writes for a reply without reasoning can
   be told from what the model generated;
 - how tool-call arguments go in: as objects (templates that ``tojson`` them), or as the JSON strings of the
-  OpenAI format (templates that concatenate them, DeepSeek's).
+  OpenAI format (templates that concatenate them, DeepSeek's);
+- the markers a template wraps around a tool-call message's content (Llama 4's "<|python_start|>" and
+  "<|python_end|>", written even around no content): the template's, not known to be the model's;
+- for a template that closes no reply (GLM-4.5), the marker that opens the next message after a reply and
+  after a tool call ("<|user|>", "<|observation|>"): the token such a model samples to end its turn.
 
 Nothing here is a table of known templates: each is read off the tokenizer's own template.
 """
@@ -34,6 +38,7 @@ _REPLY = "ROLLOUT_BUFFER_PROBE_REPLY"
 _REASONING = "ROLLOUT_BUFFER_PROBE_REASONING"
 _TOOL = "rollout_buffer_probe_tool"
 _CALL_ID = "probe0001"  # nine characters: Mistral's templates insist on it
+_RESULT = "ROLLOUT_BUFFER_PROBE_RESULT"
 
 ArgumentsForm = Literal["object", "string"]
 
@@ -62,6 +67,12 @@ class ChatTemplateAnalysis:
     tool_arguments: ArgumentsForm | None  # None: the template renders no tool call
     markers: tuple[str, ...]  # the tokenizer's added tokens, longest first
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # e.g. {"enable_thinking": False}
+    #: The markers around a tool-call message's content (Llama 4: "<|python_start|>", "<|python_end|>").
+    call_content_wrapper: tuple[str, str] | None = None
+    #: A template that closes no reply: the marker after a reply ("<|user|>") and after a tool call
+    #: ("<|observation|>"), which the model samples to end its turn. None where the template closes replies.
+    reply_stop: str | None = None
+    call_stop: str | None = None
 
     @property
     def header_prefixes(self) -> tuple[str, ...]:
@@ -230,6 +241,7 @@ def _analyse(
     arguments, call_end = _probe_tool_calls(tokenizer, question, markers, render_chat)
     if call_end:
         ends.add(call_end)
+    wrapper, call_stop = _probe_call_message(tokenizer, question, markers, render_chat, arguments)
     if not ends:
         raise SampleConversionError(
             "the chat template writes no added or special token after an assistant message, "
@@ -243,6 +255,9 @@ def _analyse(
         tool_arguments=arguments,
         markers=tuple(markers),
         template_kwargs=kwargs,
+        call_content_wrapper=wrapper,
+        reply_stop=None if last_end else _marker_at_start(between, markers),
+        call_stop=None if last_end else call_stop,
     )
 
 
@@ -296,11 +311,57 @@ def _probe_reasoning(
     return ReasoningSlot(opening=text[len(prompted) : at], closing=text[at + len(_REASONING) : content_at])
 
 
-def _probe_tool_calls(
-    tokenizer: PreTrainedTokenizerBase, question: dict[str, Any], markers: Sequence[str], render_chat: _Render
-) -> tuple[ArgumentsForm | None, str | None]:
-    """How the template takes tool-call arguments, and the token it ends a tool-call message with."""
-    schema = {
+def _probe_call_message(
+    tokenizer: PreTrainedTokenizerBase,
+    question: dict[str, Any],
+    markers: Sequence[str],
+    render_chat: _Render,
+    arguments: ArgumentsForm | None,
+) -> tuple[tuple[str, str] | None, str | None]:
+    """The markers the template wraps around a tool-call message's content, and the marker that opens
+    the message after a tool call (a tool result)."""
+    if arguments is None:
+        return None, None
+    schema = _probe_schema()
+    call = {
+        "id": _CALL_ID,
+        "type": "function",
+        "function": {"name": _TOOL, "arguments": {"n": 1} if arguments == "object" else '{"n": 1}'},
+    }
+    message = {"role": "assistant", "content": _REPLY, "tool_calls": [call]}
+    result = {"role": "tool", "tool_call_id": _CALL_ID, "content": _RESULT}
+    wrapper = stop = None
+    try:
+        prompted = render_chat(tokenizer, [question], tools=[schema], add_generation_prompt=True)
+        text = render_chat(tokenizer, [question, message], tools=[schema])
+        followed = render_chat(tokenizer, [question, message, result], tools=[schema])
+    except template_errors():
+        return None, None
+    if text.startswith(prompted) and _REPLY in text[len(prompted) :]:
+        opening = text[len(prompted) : text.index(_REPLY)]
+        after = text[text.index(_REPLY) + len(_REPLY) :]
+        closing = ""
+        while marker := next((m for m in markers if after.startswith(m, len(closing))), None):
+            closing += marker
+        if opening and closing and _count_markers(opening, markers) and _only_markers(opening, markers):
+            wrapper = (opening, closing)
+    if followed.startswith(text.rstrip()):
+        stop = _marker_at_start(followed[len(text.rstrip()) :], markers)
+    return wrapper, stop
+
+
+def _only_markers(text: str, markers: Sequence[str]) -> bool:
+    position = 0
+    while position < len(text):
+        marker = next((m for m in markers if text.startswith(m, position)), None)
+        if marker is None:
+            return False
+        position += len(marker)
+    return True
+
+
+def _probe_schema() -> dict[str, Any]:
+    return {
         "type": "function",
         "function": {
             "name": _TOOL,
@@ -308,6 +369,13 @@ def _probe_tool_calls(
             "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}},
         },
     }
+
+
+def _probe_tool_calls(
+    tokenizer: PreTrainedTokenizerBase, question: dict[str, Any], markers: Sequence[str], render_chat: _Render
+) -> tuple[ArgumentsForm | None, str | None]:
+    """How the template takes tool-call arguments, and the token it ends a tool-call message with."""
+    schema = _probe_schema()
     for form, arguments in (("object", {"n": 1}), ("string", '{"n": 1}')):
         call = {"id": _CALL_ID, "type": "function", "function": {"name": _TOOL, "arguments": arguments}}
         message = {"role": "assistant", "content": "", "tool_calls": [call]}

@@ -10,6 +10,12 @@ is built from them alone, nothing re-tokenised:
     rollout_log_probs = one per response token: the sampling logprob under mask 1, 0.0 under mask 0
                         (slime's convention); None when a turn of the sample has no logprobs, never made up
 
+Sampling logprobs or none. A turn's logprobs are handed over only where the turn says they are the
+sampling distribution's (``logprobs: "sampling"``, ``buffer.logprob_kinds``): vLLM's by default are
+taken before temperature and top-p/top-k, SGLang's before top-p/top-k/min-p, so at another setting an
+importance ratio computed from them is wrong. A sample with a turn whose logprobs are ``raw`` or
+``unknown`` (or that does not say) gets ``rollout_log_probs`` None, and ``log_probs_withheld`` says why.
+
 Branches. A turn's full prompt normally starts with every token held so far (the previous prompt and
 output): the toolkit's token-in/token-out mode guarantees it. When it does not (a chat template that
 rewrites history, as Qwen3 drops earlier reasoning, or a context that was compacted), the turns are never
@@ -19,8 +25,7 @@ gives one sample per branch, each trained on tokens the engine really saw. This 
 drift inside the last reply by overwriting it as context, which loses what was sampled there, so it is
 not done here. Every branch gets the trajectory's reward. A trajectory with several branches has their
 number, its own index and the turn it starts at in each sample's ``metadata`` (``branches``,
-``branch``, ``first_turn``: a copy of ``extra_info`` with those keys; one branch keeps ``extra_info``
-itself).
+``branch``, ``first_turn``). ``metadata`` is a copy of ``extra_info`` with ``"source": "token_records"``.
 
 Status. ``aborted`` when the trajectory was written aborted (``extra_info.finish_reason == "abort"``) or
 a branch's last turn was; ``truncated`` for ``"length"``; else ``completed``.
@@ -37,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from buffer.logprob_kinds import turn_kind
 from buffer.trainer.samples.multimodal import multimodal_inputs
 from buffer.trainer.samples.sample import SampleConversionError, SampleStatus, TrainingSample, sample_status
 
@@ -50,8 +56,10 @@ class Branch:
     tokens: list[int]
     prompt_length: int
     loss_mask: list[int] = field(default_factory=list)
-    #: Per response token; None once a turn without logprobs joined.
+    #: Per response token; None once a turn without (sampling) logprobs joined.
     log_probs: list[float] | None = field(default_factory=list)
+    #: Why ``log_probs`` is None though the engine gave logprobs: they are not sampling logprobs.
+    withheld: str | None = None
     weight_versions: list[Any] = field(default_factory=list)
     finish_reason: object = None
     first_turn: int = 0
@@ -100,6 +108,11 @@ def branches(turns: Sequence[Mapping[str, Any]]) -> list[Branch]:
                 result.append(current)
                 full_prompt = [*held[:offset], *prompt_ids]
                 current = Branch(tokens=full_prompt, prompt_length=len(full_prompt), first_turn=n)
+        if log_probs is not None and current.log_probs is not None:
+            kind = turn_kind(turn)
+            if kind != "sampling":
+                log_probs = None
+                current.withheld = _withheld(n, kind, turn)
         current.add_output(output_ids, log_probs)
         current.weight_versions.append(turn.get("weight_version"))
         current.finish_reason = turn.get("finish_reason")
@@ -127,11 +140,9 @@ def samples_from_turns(
         if index == len(found) - 1:
             written = sample_status(extra_info.get("finish_reason"))
             status = max(status, written, key=_SEVERITY.__getitem__)
-        metadata = (
-            extra_info
-            if len(found) == 1
-            else {**extra_info, "branches": len(found), "branch": index, "first_turn": branch.first_turn}
-        )
+        metadata: dict[str, Any] = {**extra_info, "source": "token_records"}
+        if len(found) > 1:
+            metadata.update(branches=len(found), branch=index, first_turn=branch.first_turn)
         samples.append(
             TrainingSample(
                 tokens=branch.tokens,
@@ -142,6 +153,7 @@ def samples_from_turns(
                 status=status,
                 metadata=metadata,
                 rollout_log_probs=branch.log_probs,
+                log_probs_withheld=branch.withheld if branch.log_probs is None else None,
                 uid=trajectory.get("uid"),
                 instance_id=trajectory.get("instance_id"),
                 weight_versions=branch.weight_versions,
@@ -176,6 +188,25 @@ def _turn(turn: Mapping[str, Any], n: int) -> tuple[list[int], int, list[int], l
                 f"turns.{n}.output_logprobs: {len(log_probs)} values for {len(output_ids)} output_ids"
             )
     return prompt_ids, offset, output_ids, log_probs
+
+
+def _withheld(n: int, kind: object, turn: Mapping[str, Any]) -> str:
+    if "logprobs" not in turn:
+        return (
+            f"turns.{n}.logprobs: absent, so its output_logprobs may not be the sampling distribution's "
+            '(the toolkit says; a writer of its own turns adds "logprobs": "sampling" where they are)'
+        )
+    if kind == "raw":
+        return (
+            f'turns.{n}.logprobs: "raw": the engine took them before the temperature or filters the '
+            "request set (vLLM without --logprobs-mode processed_logprobs; SGLang with top-p, top-k or min-p)"
+        )
+    if kind == "constrained":
+        return (
+            f'turns.{n}.logprobs: "constrained": sampled under a grammar (structured outputs), so they are '
+            "the masked distribution's, not the model's a trainer computes"
+        )
+    return f'turns.{n}.logprobs: "unknown": whether they are the sampling distribution\'s cannot be known'
 
 
 def _ids(value: object, name: str) -> list[int]:

@@ -24,6 +24,7 @@ from buffer.service.gateway.service import GatewayConfig
 from buffer.service.settings import Settings
 from buffer.toolkit import calculate
 from buffer.trainer.samples.turns import samples_from_turns
+from tests.support.sdk import streamed_message
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -72,28 +73,13 @@ def calculator_agent(client: openai.OpenAI, question: str, *, stream: bool) -> s
     ]
     for _ in range(4):
         if stream:
-            content, calls = "", {}
-            for chunk in client.chat.completions.create(
-                model="policy", messages=messages, tools=TOOLS, stream=True, temperature=0.7
-            ):
-                delta = chunk.choices[0].delta
-                content += delta.content or ""
-                for call in delta.tool_calls or ():
-                    entry = calls.setdefault(call.index, {"id": call.id, "name": "", "arguments": ""})
-                    entry["name"] += call.function.name or ""
-                    entry["arguments"] += call.function.arguments or ""
-            tool_calls = [
-                {
-                    "id": c["id"],
-                    "type": "function",
-                    "function": {"name": c["name"], "arguments": c["arguments"]},
-                }
-                for c in calls.values()
-            ]
-            message: dict[str, Any] = {"role": "assistant", "content": content or None}
-            if tool_calls:
-                message["tool_calls"] = tool_calls
+            message, tool_calls = streamed_message(
+                client.chat.completions.create(
+                    model="policy", messages=messages, tools=TOOLS, stream=True, temperature=0.7
+                )
+            )
             messages.append(message)
+            content = message["content"] or ""
         else:
             reply = (
                 client.chat.completions.create(
@@ -156,7 +142,11 @@ def assert_token_faithful(trajectory: dict[str, Any], calls: list[dict[str, Any]
         held = call["prompt_ids"] + call["output_ids"]
     assert sample.tokens == held
     assert sample.loss_mask == expected_mask
-    assert sample.rollout_log_probs == expected_logprobs
+    if all(turn.get("logprobs") == "sampling" for turn in trajectory["turns"]):
+        assert sample.rollout_log_probs == expected_logprobs
+    else:  # not known to be the sampling distribution's (the agent's temperature, fields it left unset)
+        assert sample.rollout_log_probs is None
+        assert sample.log_probs_withheld
     assert sample.response_length == len(expected_mask)
 
 
@@ -397,6 +387,32 @@ def test_the_example_generator_trains_an_unmodified_sdk_agent_through_the_gatewa
         task = client.get("/buffer/stats").json()["data"]["meta_info"]["tasks"]["openai_agent"]
     assert done["status"] == "succeeded", done
     assert task["total_written"] == 64  # 32 problems of generator/data/calculator.jsonl, twice
+
+
+@pytest.mark.e2e
+def test_the_example_generator_writes_to_the_rollout_name_it_runs_under(process: Any, engine: str) -> None:
+    """A job started with a ``rollout_name`` writes to that task (its group size, its reads), never
+    to the generator's own TASK_TYPE, which nothing configured."""
+    buffer_url = process("buffer.py", "--log-level", "warning", name="buffer")
+    with httpx.Client(base_url=buffer_url, timeout=30, trust_env=False) as client:
+        job = client.post(
+            "/start_rollout",
+            json={
+                "task_type": "openai_agent",
+                "rollout_name": "agent-eval",
+                "remote_engine_url": engine,
+                "num_repeat_per_sample": 2,
+            },
+        ).json()
+        assert job["task_type"] == "agent-eval", job
+        deadline = time.monotonic() + 60
+        while (done := client.get(f"/jobs/{job['job_id']}").json()["data"])["status"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        tasks = client.get("/buffer/stats").json()["data"]["meta_info"]["tasks"]
+    assert done["status"] == "succeeded", done
+    assert tasks["agent-eval"]["total_written"] == 64  # 32 problems, twice, in groups of 2
+    assert tasks.get("openai_agent", {}).get("total_written", 0) == 0
 
 
 def test_a_paused_generation_is_waited_out_when_it_resumes_in_time(make_client: Any, engine: str) -> None:
