@@ -91,6 +91,13 @@ class SimConfig(BaseSettings):
     accuracy: float = Field(
         default=0.8, ge=0, le=1, description="probability that the answer to an arithmetic question is right"
     )
+    tool_error_rate: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="probability that a tool call's expression is mistyped (its result off by 1 to 3): "
+        "rewards of tool tasks then vary, as training needs",
+    )
     seed: int | None = Field(
         default=None, description="seed of the server's random generator; null: seeded from the OS"
     )

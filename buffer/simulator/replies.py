@@ -6,7 +6,9 @@ writes it: a ``<think>`` block first when thinking, a tool call as Hermes' ``<to
 - a ``tool`` message there: the answer is the (last) tool result, in ``\\boxed{}``;
 - else an arithmetic question in the last user message, and a usable tool (one named
   ``calculator``, or any function whose parameters are a single string property): a call of the
-  first such tool with the expression as its argument;
+  first such tool with the expression as its argument, or, with probability ``tool_error_rate``,
+  with the expression mistyped (its result off by 1 to 3), so a tool task's rewards vary as a
+  real model's do;
 - else an arithmetic question: steps, then the answer in ``\\boxed{}``, right with probability
   ``accuracy`` and otherwise off by 1 to 3 (every step shown stays right except the last);
 - else a short generic text.
@@ -64,10 +66,15 @@ class ReplyPlan:
 
     options: tuple[Draft, ...]
     arithmetic: bool = False  # options[0] is right, the others wrong
+    tool_call: bool = False  # options[0] calls the tool rightly, the others with a mistyped expression
 
-    def draw(self, rng: random.Random, accuracy: float) -> Draft:
+    def draw(self, rng: random.Random, accuracy: float, tool_error_rate: float = 0.0) -> Draft:
         if len(self.options) == 1:
             return self.options[0]
+        if self.tool_call:
+            if not tool_error_rate:  # nothing drawn: seeded replies stay what they were
+                return self.options[0]
+            return self.options[0] if rng.random() >= tool_error_rate else rng.choice(self.options[1:])
         if self.arithmetic:
             return self.options[0] if rng.random() < accuracy else rng.choice(self.options[1:])
         return rng.choice(self.options)
@@ -117,9 +124,13 @@ def plan_reply(
     tool = None if tool_choice == "none" else _usable_tool(tools)
     if tool is not None:
         name, parameter = tool
-        call = json.dumps({"name": name, "arguments": {parameter: solution.expression}})
-        thought = f"I need the {name} tool for {solution.expression}."
-        return ReplyPlan((_draft(thinking, thought, f"<tool_call>\n{call}\n</tool_call>"),))
+        calls = []
+        for offset in (0, *WRONG_OFFSETS):
+            expression = solution.expression if not offset else f"({solution.expression}) {offset:+d}"
+            call = json.dumps({"name": name, "arguments": {parameter: expression}})
+            thought = f"I need the {name} tool for {expression}."
+            calls.append(_draft(thinking, thought, f"<tool_call>\n{call}\n</tool_call>"))
+        return ReplyPlan(tuple(calls), tool_call=True)
     drafts = []
     for offset in (0, *WRONG_OFFSETS):
         answer = format_number(solution.value + offset)
@@ -143,12 +154,13 @@ def generate(
     partial_ids: Sequence[int] | None = None,
     partial_text: str | None = None,
     logprobs: bool = True,
+    tool_error_rate: float = 0.0,
 ) -> Generation:
     """One choice (see the module docstring): the reply from ``reply_rng``, aborts from ``fault_rng``.
 
     Logprobs are drawn only when asked for (else ``[]``), so a server seeded with ``--seed`` gives
     the same sequence of replies to requests that do not ask as it did before they existed."""
-    draft = plan.draw(reply_rng, accuracy)
+    draft = plan.draw(reply_rng, accuracy, tool_error_rate)
     aborted = fault_rng.random() < abort_rate
     if partial_text:
         ids = _continuation(model, plan, draft, partial_ids or (), partial_text)

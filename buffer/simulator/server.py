@@ -148,6 +148,7 @@ class Simulator:
             partial_ids,
             partial_text,
             logprobs=logprobs,
+            tool_error_rate=self.config.tool_error_rate,
         )
         if not generation.logprobs:
             return generation

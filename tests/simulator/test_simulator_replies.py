@@ -228,6 +228,32 @@ async def test_any_function_with_a_single_string_parameter_is_used_as_the_tool()
     assert json.loads(call["function"]["arguments"]) == {"expr": "6 * 7"}
 
 
+async def test_a_tool_error_rate_mistypes_tool_calls_so_tool_tasks_have_reward_variance() -> None:
+    """Issue 21, item 11: with the right tool result every time, every calculator group has equal
+    rewards, which training drops. ``tool_error_rate`` mistypes the call's expression (its value
+    off by 1 to 3): the tool then returns, and the model answers, a wrong number."""
+    app = sim_app(tool_error_rate=0.5, seed=7)
+    values = []
+    for _ in range(40):
+        reply = await chat(app, "What is 3 * (4 + 5)?", tools=[CALCULATOR])
+        [call] = reply["choices"][0]["message"]["tool_calls"]
+        result = solve(json.loads(call["function"]["arguments"])["expression"])
+        assert result is not None
+        values.append(result.value)
+    assert 27 in values
+    wrong = {value - 27 for value in values if value != 27}
+    assert wrong, "no call was mistyped"
+    assert wrong <= {-3, -2, -1, 1, 2, 3}
+
+
+async def test_without_a_tool_error_rate_every_tool_call_is_right() -> None:
+    app = sim_app(seed=7)
+    for _ in range(10):
+        reply = await chat(app, "What is 3 * (4 + 5)?", tools=[CALCULATOR])
+        [call] = reply["choices"][0]["message"]["tool_calls"]
+        assert json.loads(call["function"]["arguments"])["expression"] == "3 * (4 + 5)"
+
+
 async def test_no_tool_call_without_a_usable_tool_or_with_tool_choice_none() -> None:
     two_params = {
         "type": "function",
