@@ -49,8 +49,16 @@ MAX_LINE_BYTES = 64 * 2**20
 
 
 def read_rows(
-    path: str | Path, *, max_bytes: int = MAX_FILE_BYTES, max_line_bytes: int = MAX_LINE_BYTES
+    path: str | Path,
+    *,
+    max_bytes: int = MAX_FILE_BYTES,
+    max_line_bytes: int = MAX_LINE_BYTES,
+    input_key: str = "prompt",
+    label_key: str = "label",
 ) -> list[dict[str, Any]]:
+    """The rows of a JSONL data set. ``input_key`` and ``label_key`` name the fields holding the
+    prompt and the label (slime's ``--input-key``, ``--label-key``): they are read into ``prompt``
+    and ``label``; a row without ``input_key`` that has a ``prompt`` keeps it."""
     rows: list[dict[str, Any]] = []
     total = 0
     with _open_regular(path, max_bytes) as lines:
@@ -69,8 +77,13 @@ def read_rows(
                 row = orjson.loads(line)
             except orjson.JSONDecodeError as exc:
                 raise DatasetError(f"{path}:{number}: not valid JSON: {exc}") from None
-            if not isinstance(row, dict) or "prompt" not in row:
-                raise DatasetError(f"{path}:{number}: a row must be an object with a prompt")
+            if not isinstance(row, dict) or (input_key not in row and "prompt" not in row):
+                named = "a prompt" if input_key == "prompt" else f"its prompt in {input_key!r}"
+                raise DatasetError(f"{path}:{number}: a row must be an object with {named}")
+            if input_key in row:
+                row["prompt"] = row[input_key]
+            if label_key in row:
+                row["label"] = row[label_key]
             row.setdefault("instance_id", number - 1)
             rows.append(row)
     return rows

@@ -85,6 +85,12 @@ class RolloutSettings(BaseModel):
     )
     seed: int = 0
     shuffle: bool = True
+    input_key: str = Field(
+        "prompt", description="the data set's field holding the prompt (slime's --input-key)"
+    )
+    label_key: str = Field(
+        "label", description="the data set's field holding the label (slime's --label-key)"
+    )
     model: str = "default"
     engine_api_key: str | None = None
     buffer_api_key: str | None = None
@@ -266,7 +272,9 @@ async def run_rollouts(
     if (reward is None) == (group_reward is None):
         raise TypeError("run_rollouts takes exactly one of reward and group_reward")
     settings = RolloutSettings.model_validate(data)
-    rows = await asyncio.to_thread(read_rows, settings.input_file)
+    rows = await asyncio.to_thread(
+        read_rows, settings.input_file, input_key=settings.input_key, label_key=settings.label_key
+    )
     if prompt is not None:
         rows = [{**row, "prompt": prompt(row)} for row in rows]
     plan = Plan(

@@ -11,16 +11,22 @@ number of rewards and, with ``--log-passrate``, reshapes them into groups of
 (the generator's reward -1: a failure of the run, not a wrong answer) or one that came back
 short is left out of the rewards, its samples counted in the metrics instead; a data set with
 no whole group is left out of the output, said in the log and the metrics.
+
+A trajectory whose turns branched is one eval sample holding every branch's response (`merged`):
+an eval sample is logged, never trained, and slime's response-length metrics should count all
+that was generated, not the last branch alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from buffer.trainer.samples import TrainingSample
 from buffer.trainer.slime_samples import FAILURE_REWARD, Converted, number, to_sample
 
 logger = logging.getLogger(__name__)
@@ -142,7 +148,7 @@ def eval_output(
         group_index = len(rewards) // spec.n
         for c, value in zip(group, values, strict=True):
             refused += c.refusal is not None
-            converted = c.samples[-1] if c.samples else None  # a branched one: its last branch
+            converted = merged(c.samples) if c.samples else None
             samples.append(to_sample(c.item, converted, group_index, len(rewards), c.item.get("reward")))
             rewards.append(value)  # type: ignore[arg-type]  # not None: checked above
     metrics = {
@@ -170,3 +176,23 @@ def _eval_reward(item: Mapping[str, Any], reward_key: str | None) -> float | Non
     if isinstance(reward, Mapping):
         reward = reward.get(reward_key) if reward_key else None
     return number(reward)
+
+
+def merged(samples: Sequence[TrainingSample]) -> TrainingSample:
+    """One sample holding every branch's response, after the first branch's prompt: for logging
+    only (the tokens of a later branch's response follow a context it was not generated in)."""
+    if len(samples) == 1:
+        return samples[0]
+    first, last = samples[0], samples[-1]
+    responses = [one.tokens[one.prompt_length :] for one in samples]
+    log_probs = [one.rollout_log_probs for one in samples]
+    return dataclasses.replace(
+        last,
+        tokens=first.tokens[: first.prompt_length] + [token for part in responses for token in part],
+        loss_mask=[mask for one in samples for mask in one.loss_mask],
+        response_length=sum(one.response_length for one in samples),
+        rollout_log_probs=None
+        if any(part is None for part in log_probs)
+        else [value for part in log_probs for value in part or []],
+        weight_versions=[version for one in samples for version in one.weight_versions],
+    )

@@ -22,11 +22,12 @@ takes (``RolloutFnTrainOutput`` of ``rollout_batch_size`` groups, ``RolloutFnEva
   `buffer.trainer.slime_eval`) through the buffer as evaluation rollouts;
 - the finished groups the buffer reports are recorded in the data source's metadata, so a
   resume sends them back as ``skip_instance_ids``;
-- each step tells the buffer the policy version (the ``rollout_id``: slime updates the weights
-  between calls), and with ``rollout_buffer_pause`` set ("abort" or "drain") pauses generation
-  once the step's batch is read, so no engine request starts while slime trains and syncs the
-  weights; the next call resumes it at the new version. ``rollout_buffer_max_staleness`` is
-  the task's ``max_staleness``.
+- each step tells the buffer the policy version in the engines' numbering (`policy_version`:
+  slime's ``weight_version`` of the policy that trains on the step), and with
+  ``rollout_buffer_pause`` set ("abort" or "drain") pauses generation once the step's batch
+  is read, so no engine request starts while slime trains and syncs the weights; the next
+  call resumes it at the new version. ``rollout_buffer_max_staleness`` is the task's
+  ``max_staleness``.
 
 ``--rollout-top-p`` other than 1 is refused up front: slime then replays the engine's top-p
 token sets in training, which the buffer's trajectories do not carry, and would fail its
@@ -62,13 +63,17 @@ from buffer.trainer.slime_samples import (
     normalize_rewards_by_group,
 )
 
-__all__ = ["close_sessions", "generate_rollout", "normalize_rewards_by_group"]
+__all__ = ["add_arguments", "close_sessions", "generate_rollout", "normalize_rewards_by_group"]
 
 logger = logging.getLogger(__name__)
 
 #: Each read waits up to this long for a group (it returns as soon as one is ready); between
 #: empty reads the adapter checks that the rollout is still running.
 WAIT_S = 5.0
+#: A step stops with the reason once this many groups in a row (at least the minimum) were
+#: refused whole: without it, a run whose every trajectory is refused reads on forever.
+REFUSED_GROUPS_PER_STEP = 8
+REFUSED_GROUPS_MIN = 32
 CLIENT_RETRY_S = 90.0  # how long a request to the buffer is retried: a restart takes seconds to a minute
 
 
@@ -98,8 +103,12 @@ class _Session:
     converters: dict[str, SampleConverter] = field(default_factory=dict)
     started: bool = False
     groups_read: int = 0
-    #: groups read when the current pass started, and whether it skipped nothing
+    #: groups kept (not refused whole), and since the last one kept, the groups read
+    groups_kept: int = 0
+    refused_in_a_row: int = 0
+    #: groups read and kept when the current pass started, and whether it skipped nothing
     groups_at_pass_start: int = 0
+    kept_at_pass_start: int = 0
     fresh_pass: bool = False
     #: generation is paused by this trainer, until the next step resumes it
     paused: bool = False
@@ -136,8 +145,150 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     return _train(args, rollout_id, data_source, session)
 
 
+def add_arguments(parser: Any) -> Any:
+    """The adapter's own settings as command-line flags: slime's ``add_custom_arguments`` hook
+    (``slime.utils.arguments.parse_args(add_custom_arguments=add_arguments)``). Without it
+    slime's parser drops them without a word (Megatron parses with ``parse_known_args``); a
+    ``--custom-config-path`` YAML with the same names (``rollout_buffer_pause: abort``) works too."""
+    group = parser.add_argument_group("rollout-buffer adapter (buffer.slime_rollout)")
+    group.add_argument(
+        "--rollout-buffer-pause",
+        choices=["abort", "drain"],
+        default=None,
+        help="pause generation once a step's batch is read, until the next step (abort or drain "
+        "the requests in flight); unset: generation goes on while slime trains",
+    )
+    group.add_argument(
+        "--rollout-buffer-max-staleness",
+        type=int,
+        default=None,
+        help="the task's max_staleness: admit trajectories at most this many policy versions old",
+    )
+    group.add_argument(
+        "--rollout-num-process",
+        type=int,
+        default=None,
+        help="trajectories the generator keeps in flight (the /start_rollout num_process; default 100)",
+    )
+    group.add_argument(
+        "--rollout-buffer-api-key",
+        default=None,
+        help="the buffer's API key (its --api-key)",
+    )
+    return parser
+
+
+def _differs(default: Any) -> Any:
+    return lambda value, args: value is not None and value != default
+
+
+#: slime's rollout flags the adapter cannot honour: (attribute, is it set?, why and what to do).
+#: Each is a step of slime's own rollout (``slime/rollout/sglang_rollout.py``); with the buffer,
+#: the task's generator makes the trajectories and their rewards.
+_REFUSED: tuple[tuple[str, Any, str], ...] = (
+    (
+        "partial_rollout",
+        _differs(False),
+        "slime keeps aborted samples to continue them next step; the buffer's generator continues "
+        "an aborted answer itself and its trajectories carry no per-turn policy version to mask",
+    ),
+    (
+        "mask_offpolicy_in_partial_rollout",
+        _differs(False),
+        "trajectories from the buffer carry no per-turn policy version; bound the lag with "
+        "--rollout-buffer-max-staleness instead",
+    ),
+    (
+        "over_sampling_batch_size",
+        lambda value, args: value is not None and value != getattr(args, "rollout_batch_size", value),
+        "the adapter reads exactly the groups a step needs; the buffer already drops groups with "
+        "nothing to learn from (its is_valid_group hook)",
+    ),
+    (
+        "dynamic_sampling_filter_path",
+        _differs(None),
+        "filter groups in the task's generator (its is_valid_group hook), where they are made",
+    ),
+    (
+        "rollout_sample_filter_path",
+        _differs(None),
+        "filter samples in the task's generator (its is_valid_group or filter hooks)",
+    ),
+    (
+        "rollout_all_samples_process_path",
+        _differs(None),
+        "the adapter sees only the groups it reads, not every sample generated",
+    ),
+    (
+        "custom_generate_function_path",
+        _differs(None),
+        "the task's generator (--rollout-task-type) generates; put the custom generation there",
+    ),
+    (
+        "rm_type",
+        _differs(None),
+        "the task's generator computes the rewards (e.g. the toolkit's MathReward); drop --rm-type",
+    ),
+    ("custom_rm_path", _differs(None), "the task's generator computes the rewards; drop --custom-rm-path"),
+    ("group_rm", _differs(False), "the task's generator computes the rewards (its group_reward)"),
+    (
+        "metadata_key",
+        _differs("metadata"),
+        "the generator gets every field of a row as it is; name the field 'metadata' in the data set",
+    ),
+    (
+        "tool_key",
+        _differs("tools"),
+        "the generator gets every field of a row as it is; name the field 'tools' in the data set",
+    ),
+)
+
+
+def _flag(attribute: str) -> str:
+    return "--" + attribute.replace("_", "-")
+
+
+def _refuse_unhonoured(args: Any) -> None:
+    refused = [
+        f"{_flag(name)} {getattr(args, name)!r}: {why}"
+        for name, is_set, why in _REFUSED
+        if is_set(getattr(args, name, None), args)
+    ]
+    for name in ("eval_input_key", "eval_label_key", "eval_tool_key"):
+        train_value = getattr(args, name.removeprefix("eval_"), None)
+        value = getattr(args, name, None)
+        if value is not None and value != train_value:
+            refused.append(
+                f"{_flag(name)} {value!r}: evaluation reads its data sets with the training keys "
+                f"({_flag(name.removeprefix('eval_'))} {train_value!r}); name the fields alike"
+            )
+    for config in getattr(args, "eval_datasets", None) or []:
+        for key in ("input_key", "label_key", "tool_key", "metadata_key", "rm_type", "custom_rm_path"):
+            value = getattr(config, key, None)
+            train_value = getattr(args, key, None)
+            if value is not None and value != train_value:
+                refused.append(
+                    f"--eval-config data set {getattr(config, 'name', '?')!r}: {key} {value!r} "
+                    f"differs from the training {train_value!r}; the adapter reads every data set alike"
+                )
+    max_prompt = getattr(args, "rollout_max_prompt_len", None)
+    context = getattr(args, "rollout_max_context_len", None)
+    if max_prompt is not None and (context is None or max_prompt != context - 1):
+        refused.append(
+            f"--rollout-max-prompt-len {max_prompt}: slime drops longer prompts from its own data "
+            "source; the buffer's generator reads --prompt-data itself and drops none; filter the data set"
+        )
+    if refused:
+        raise ValueError(
+            "slime flags the rollout buffer adapter does not honour (rather than ignore them):\n- "
+            + "\n- ".join(refused)
+        )
+
+
 def check_args(args: Any) -> None:
-    """Refuse, before anything runs, what slime's trainer would fail on later."""
+    """Refuse, before anything runs, what slime's trainer would fail on later, and slime's rollout
+    flags the adapter cannot honour."""
+    _refuse_unhonoured(args)
     top_p = getattr(args, "rollout_top_p", 1.0)
     if top_p != 1.0:
         raise ValueError(
@@ -199,6 +350,12 @@ def _payload(
         "max_tokens": str(sampling["max_tokens"]),
         "sampling_params": sampling,
         "tokenizer_path": args.hf_checkpoint,
+        # slime's data set flags: the fields of the prompt and the label, the seed of the plan
+        # (its order and each sample's sampling seed); `--rollout-shuffle` is the training's only
+        "input_key": getattr(args, "input_key", None) or "prompt",
+        "label_key": getattr(args, "label_key", None) or "label",
+        "seed": int(getattr(args, "rollout_seed", 42)),
+        "shuffle": False,
     }
 
 
@@ -227,6 +384,9 @@ def _train_payload(args: Any) -> dict[str, Any]:
     # (Qwen3's top_k is 20), and the logprobs are the sampling distribution's only without filters.
     sampling.setdefault("top_k", -1)
     sampling.setdefault("min_p", 0.0)
+    stop_token_ids = getattr(args, "rollout_stop_token_ids", None)
+    if stop_token_ids:
+        sampling["stop_token_ids"] = [int(token) for token in stop_token_ids]
     payload = _payload(
         args,
         input_file=args.prompt_data,
@@ -234,25 +394,45 @@ def _train_payload(args: Any) -> dict[str, Any]:
         num_epoch=epochs or 1,
         sampling=sampling,
     )
+    payload["shuffle"] = bool(getattr(args, "rollout_shuffle", False))
     return {**payload, **_staleness(args)}
 
 
 def _start(args: Any, session: _Session, skip: list[Any]) -> None:
     session.client.start_rollout(args.rollout_task_type, **_train_payload(args), skip_instance_ids=skip)
     session.groups_at_pass_start = session.groups_read
+    session.kept_at_pass_start = session.groups_kept
     session.fresh_pass = not skip
 
 
+def policy_version(args: Any, rollout_id: int) -> int:
+    """The policy that trains on step ``rollout_id``'s data, in the engines' numbering.
+
+    slime's weight updaters count updates (``weight_version``, from
+    ``update_weight_start_version``, 0 unless set): the push before the first step makes
+    the engines serve version 1, and one more follows every ``--update-weights-interval``
+    steps. Step ``rollout_id`` trains the policy the trainer holds then, which the engines
+    will serve as this version: the same version that serves the step under ``train.py``,
+    one past it under ``train_async.py`` (the step is generated while the previous one
+    trains), so the buffer's lag is the true lag in both. A run resumed at
+    ``--start-rollout-id`` counts from there, as the engines do."""
+    start = getattr(args, "update_weight_start_version", None) or 0
+    first = getattr(args, "start_rollout_id", None) or 0
+    interval = getattr(args, "update_weights_interval", None) or 1
+    return int(start) + 1 + max(0, rollout_id - int(first)) // int(interval)
+
+
 def _policy_step(args: Any, rollout_id: int, session: _Session) -> None:
-    """Tell the buffer which policy the engines serve now; resume generation if this trainer
-    paused it. A buffer that knows a higher version (a trainer resumed from an older
-    checkpoint) keeps it: logged, not fatal."""
+    """Tell the buffer the policy version of this step (`policy_version`); resume generation if
+    this trainer paused it. A buffer that knows a higher version (a trainer resumed from an
+    older checkpoint) keeps it: logged, not fatal."""
+    version = policy_version(args, rollout_id)
     try:
         if session.paused:
-            session.client.resume_generation(rollout_id)
+            session.client.resume_generation(version)
             session.paused = False
         else:
-            session.client.set_policy_version(rollout_id)
+            session.client.set_policy_version(version)
     except BufferClientError as exc:
         if exc.status_code != 409:
             raise
@@ -307,13 +487,18 @@ def _fetch(args: Any, rollout_id: int, data_source: Any, session: _Session, coun
         groups = []
         for group in batch.groups(group_size=n):
             session.groups_read += 1
+            session.refused_in_a_row += 1
             if len(group) != n:
                 logger.warning("skipped a group of %d samples, expected %d", len(group), n)
+                session.builder.last_refusal = f"a group of {len(group)} samples, expected {n}"
                 continue
             built = session.builder.group([convert(converter, item) for item in group], counts)
             if built is not None:
                 groups.append(built)
+                session.groups_kept += 1
+                session.refused_in_a_row = 0
         data_source.add_samples(groups)
+        _check_refusals(args, session)
         if batch.items:
             waited = 0
             continue
@@ -324,6 +509,20 @@ def _fetch(args: Any, rollout_id: int, data_source: Any, session: _Session, coun
                 f"in {waited} waits of {WAIT_S:.0f} s"
             )
         _when_idle(args, session, counts, f"{held} of {args.rollout_batch_size} groups")
+
+
+def refusal_limit(args: Any) -> int:
+    """How many groups in a row may be refused whole before the step stops with the reason."""
+    return max(REFUSED_GROUPS_MIN, REFUSED_GROUPS_PER_STEP * int(args.rollout_batch_size))
+
+
+def _check_refusals(args: Any, session: _Session) -> None:
+    if session.refused_in_a_row >= refusal_limit(args):
+        raise RuntimeError(
+            f"the last {session.refused_in_a_row} groups of the {args.rollout_task_type} rollout were all "
+            f"refused (the last: {session.builder.last_refusal}); {session.groups_kept} of "
+            f"{session.groups_read} groups read were kept"
+        )
 
 
 def _when_idle(args: Any, session: _Session, counts: StepCounts, progress: str) -> None:
@@ -344,9 +543,16 @@ def _when_idle(args: Any, session: _Session, counts: StepCounts, progress: str) 
         raise RuntimeError(
             f"the {task} rollout is not running ({how}) and the buffer has nothing ready ({progress})"
         )
-    if session.fresh_pass and session.groups_read == session.groups_at_pass_start:
+    read = session.groups_read - session.groups_at_pass_start
+    if session.groups_kept == session.kept_at_pass_start and (read or session.fresh_pass):
+        why = (
+            f"all {read} groups read were refused (the last: {session.builder.last_refusal})"
+            if read
+            else "none"
+        )
         raise RuntimeError(
-            f"a whole pass of the {task} rollout over {args.prompt_data} gave no group ({progress})"
+            f"a whole pass of the {task} rollout over {args.prompt_data} gave no group to train on: "
+            f"{why} ({progress})"
         )
     logger.info("the %s rollout's pass over its data ended (%s): starting another", task, progress)
     _start(args, session, skip=[])
@@ -359,7 +565,7 @@ def _evaluate(args: Any, rollout_id: int, session: _Session) -> Any:
     data: dict[str, dict[str, Any]] = {}
     metrics: dict[str, float] = {}
     for spec in eval_sets(args):
-        rollout_name = f"eval-{spec.name}-{rollout_id}"
+        rollout_name = f"eval-{spec.name}"  # one task per data set, reused by every evaluation
         if getattr(args, "log_passrate", False) and spec.n != getattr(
             args, "n_samples_per_eval_prompt", spec.n
         ):
@@ -371,6 +577,7 @@ def _evaluate(args: Any, rollout_id: int, session: _Session) -> Any:
                 args.n_samples_per_eval_prompt,
             )
         payload = _payload(args, input_file=spec.path, n=spec.n, num_epoch=1, sampling=spec.sampling)
+        _drain(session, rollout_name)
         session.client.start_rollout(
             args.rollout_task_type, rollout_name=rollout_name, evaluation=True, restart=True, **payload
         )
@@ -382,6 +589,22 @@ def _evaluate(args: Any, rollout_id: int, session: _Session) -> Any:
         if result is not None:
             data[spec.name] = result
     return RolloutFnEvalOutput(data=data, metrics=metrics)
+
+
+def _drain(session: _Session, rollout_name: str) -> None:
+    """Stop an earlier evaluation of this data set still running and throw away what it left
+    ready, so this one counts only its own groups."""
+    earlier = [job for job in session.client.jobs() if job.task_type == rollout_name]
+    if not earlier:
+        return  # the first evaluation of this data set: the buffer has no such task yet
+    for job in earlier:
+        if job.status == "running":
+            session.client.cancel_job(job.id)
+    left = 0
+    while batch := session.client.get_rollout_data(task_type=rollout_name, wait_s=0.0).items:
+        left += len(batch)
+    if left:
+        logger.warning("evaluation %s: threw away %d samples an earlier evaluation left", rollout_name, left)
 
 
 def _collect(

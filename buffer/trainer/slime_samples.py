@@ -13,15 +13,18 @@ here keeps one of those steps from failing or training on the wrong thing:
   off every sample once the first has it.
 - ``index`` counts trajectories in this process (instance ids may be strings; the id is in
   ``metadata["instance_id"]``), ``group_index`` counts groups, and ``rollout_id`` is the
-  trajectory's ``index``: the siblings of a trajectory that branched share all three.
+  trajectory's ``index``.
 - A trajectory the converter refuses (``SampleConversionError``) keeps its place and its
   reward in its group, as a placeholder slime trains nothing on (``remove_sample``, loss mask
   0, status FAILED, the reason in ``metadata["refused"]``), so the group's baseline and its
   size stay right. A group with nothing convertible is dropped. Both are counted.
-- A trajectory that branched (one sample per branch) is one entry of its group holding the
-  list of its samples: a group keeps ``n_samples_per_prompt`` entries, as slime's data
-  source requires, and slime's rollout-id check and flattening accept the nesting. A step
-  with any branch nests every entry, since slime flattens by looking at the first one.
+- One sample per trajectory, whatever branches: a group is exactly ``n_samples_per_prompt``
+  samples, as slime's reward normalisation (``_post_process_rewards`` reshapes by it) and
+  ``log_passrate`` (``compute_pass_rate`` asserts ``rollout_batch_size`` groups of it) require.
+  A trajectory whose turns branched (a template that rewrote history) is its last branch:
+  the tokens the engine saw for its last turns, the earlier turns in them as context (loss
+  mask 0). The earlier branches' samples are not trained on (their tokens are not in the
+  last branch's context as generated), counted in ``dropped_branches``.
 - ``rollout_log_probs`` are all set or all None in a step (slime decides from the first
   sample and cannot make a tensor of None). When ``--use-tis``, ``--use-rollout-logprobs``
   or ``--get-mismatch-metrics`` reads them, a sample without them (text only) stays in its
@@ -65,7 +68,7 @@ LOG_PROB_FLAGS = ("use_tis", "use_rollout_logprobs", "get_mismatch_metrics")
 #: The reward a generator writes for a trajectory that failed (``default_func.FAILURE_REWARD``).
 FAILURE_REWARD = -1.0
 
-#: One trajectory in a group: its sample, or the samples of its branches.
+#: One trajectory in a group: its slime ``Sample``.
 Entry = Any
 
 
@@ -125,6 +128,8 @@ class StepCounts:
     refused_samples: int = 0
     refused_groups: int = 0
     branched_trajectories: int = 0
+    #: Samples of earlier branches of branched trajectories: not trained on (the last branch is).
+    dropped_branches: int = 0
     removed_without_log_probs: int = 0
     dropped_log_probs: int = 0
     withheld_log_probs: int = 0
@@ -144,6 +149,8 @@ class SampleBuilder:
         self.groups_made = 0
         self.trajectories_made = 0
         self.said_withheld = False
+        #: Why the last group dropped was dropped (for the error when no group is ever kept).
+        self.last_refusal: str | None = None
 
     def group(self, converted: Sequence[Converted], counts: StepCounts) -> list[Entry] | None:
         """One group's entries, or None when nothing in it can be trained on."""
@@ -153,10 +160,9 @@ class SampleBuilder:
             counts.refused_groups += 1
             counts.refused_samples += sum(1 for c in converted if c.refusal is not None)
             reasons = "; ".join(sorted({c.refusal for c in converted if c.refusal}))
+            self.last_refusal = reasons or "a reward that is not a number"
             logger.warning(
-                "dropped the group of %r: %s",
-                converted[0].item.get("instance_id"),
-                reasons or "a reward that is not a number",
+                "dropped the group of %r: %s", converted[0].item.get("instance_id"), self.last_refusal
             )
             return None
         group_index = self.groups_made
@@ -172,16 +178,13 @@ class SampleBuilder:
                 )
                 entries.append(_placeholder(c, template, group_index, index, reward))
                 continue
-            samples = [to_sample(c.item, one, group_index, index, reward) for one in c.samples]
-            counts.rerendered_samples += sum(
-                1 for one in c.samples if one.metadata.get("source") == "rerendered"
-            )
-            self._count_withheld(c.samples, counts)
-            if len(samples) > 1:
+            last = c.samples[-1]  # a branched trajectory: its last branch (see the module's docstring)
+            if len(c.samples) > 1:
                 counts.branched_trajectories += 1
-                entries.append(samples)
-            else:
-                entries.append(samples[0])
+                counts.dropped_branches += len(c.samples) - 1
+            counts.rerendered_samples += int(last.metadata.get("source") == "rerendered")
+            self._count_withheld([last], counts)
+            entries.append(to_sample(c.item, last, group_index, index, reward))
         return entries
 
     def _count_withheld(self, samples: Sequence[TrainingSample], counts: StepCounts) -> None:
@@ -253,11 +256,8 @@ def _placeholder(c: Converted, template: TrainingSample, group_index: int, index
 
 
 def finish_step(args: Any, groups: list[list[Entry]], counts: StepCounts) -> list[list[Entry]]:
-    """The step's groups as slime's trainer takes them: one nesting depth throughout, and
-    ``rollout_log_probs`` on every sample or on none (see the module's docstring)."""
-    nested = any(isinstance(entry, list) for group in groups for entry in group)
-    if nested:
-        groups = [[entry if isinstance(entry, list) else [entry] for entry in group] for group in groups]
+    """The step's groups as slime's trainer takes them: ``rollout_log_probs`` on every sample or
+    on none (see the module's docstring)."""
     samples = list(flatten(groups))
     have = [sample for sample in samples if sample.rollout_log_probs is not None]
     if have:  # a removed sample's log probs are never read: zeros never force a choice
@@ -302,20 +302,7 @@ def finish_step(args: Any, groups: list[list[Entry]], counts: StepCounts) -> lis
             len(have),
             len(lacking),
         )
-    if nested and slime_normalises_rewards(args) and not _ours(args):
-        logger.warning(
-            "trajectories branched into several samples, so slime's reward normalisation cannot "
-            "reshape by n_samples_per_prompt; use --custom-reward-post-process-path "
-            "buffer.trainer.slime_rollout.normalize_rewards_by_group"
-        )
     return groups
-
-
-def _ours(args: Any) -> bool:
-    return (
-        getattr(args, "custom_reward_post_process_path", None)
-        == "buffer.trainer.slime_rollout.normalize_rewards_by_group"
-    )
 
 
 def flatten(node: Iterable[Any]) -> Iterable[Any]:
@@ -327,10 +314,11 @@ def flatten(node: Iterable[Any]) -> Iterable[Any]:
 
 
 def normalize_rewards_by_group(args: Any, samples: list[Any]) -> tuple[list[float], list[float]]:
-    """slime's ``--custom-reward-post-process-path`` for steps with branched trajectories.
+    """slime's ``--custom-reward-post-process-path`` for groups of uneven size.
 
-    slime's own normalisation reshapes the rewards by ``n_samples_per_prompt`` and, when a
-    trajectory gave several samples, treats the whole batch as one group. This normalises
+    slime's own normalisation reshapes the rewards by ``n_samples_per_prompt`` and, when the
+    step is not exactly that many per group, treats the whole batch as one group (the adapter
+    always gives whole groups, one sample per trajectory; kept for runs that set it). This normalises
     within each ``group_index``, counting each trajectory (``rollout_id``) once, with slime's
     arithmetic: minus the mean, and over the (sample) std plus 1e-6 for GRPO, GSPO and CISPO.
     """

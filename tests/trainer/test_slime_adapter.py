@@ -21,6 +21,7 @@ from tests.support.paths import SLIME_STUB
 sys.path.insert(0, str(SLIME_STUB))
 
 from slime.observability.rollout_metrics import log_eval_rollout_data
+from slime.observability.train_metric_utils import log_passrate
 from slime.ray.rollout import generate
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.utils.types import Sample
@@ -93,6 +94,11 @@ class FakeBuffer:
                 self.queues.setdefault(name, []).append(batches.pop(0))
                 tasks[name] = {"pending_groups": 1}
         return BufferStats(tasks=tasks)
+
+    def cancel_job(self, job_id: str) -> JobInfo:
+        (job,) = [job for job in self.job_list if job.id == job_id]
+        job.status = "cancelled"
+        return job
 
     def close(self) -> None:
         pass
@@ -501,23 +507,80 @@ def branched(item: dict[str, Any]) -> dict[str, Any]:
     return item
 
 
-def test_a_branched_trajectory_is_one_entry_of_its_group(args: SimpleNamespace, connect: Any) -> None:
-    args.custom_reward_post_process_path = "buffer.trainer.slime_rollout.normalize_rewards_by_group"
+def test_a_branched_step_gives_slime_whole_groups_and_its_pass_rate(
+    args: SimpleNamespace, connect: Any
+) -> None:
+    """Issue 21, item 2: a branched trajectory is one sample (its last branch), so the step is
+    exactly n_samples_per_prompt per group, and slime's log_passrate and normalisation hold."""
     a = group("a", [0, 1])
     a[1] = branched(a[1])
-    connect(FakeBuffer({"math": [[a + group("b", [1, 1])]]}))
+    connect(FakeBuffer({"math": [[a + group("b", [1, 0])]]}))
     source = RolloutDataSourceWithBuffer(args)
     output = slime_rollout.generate_rollout(args, 0, source)
-    (a0, a1), (b0, b1) = output.samples
-    assert [len(a0), len(a1), len(b0), len(b1)] == [1, 2, 1, 1]
-    assert [s.tokens for s in a1] == [[5, 6, 7, 8], [5, 9, 10, 11]]
-    assert [s.weight_versions for s in a1] == [["3"], ["4"]]
-    assert {s.rollout_id for s in a1} == {1}
+    (_, a1), _ = output.samples
+    assert a1.tokens == [5, 9, 10, 11]  # the last branch: the first turn is in its context
+    assert a1.loss_mask == [1]
+    assert a1.weight_versions == ["4"]
     assert output.metrics["rollout_buffer/branched_trajectories"] == 1
-    _, train_data = generate(args, lambda *a, **k: output, 0, source)
-    # Per group, each trajectory once: a's two trajectories are -0.707 and +0.707 (both of a1's
-    # branches carry its reward), b's are equal.
-    assert train_data["rewards"] == pytest.approx([-0.7071, 0.7071, 0.7071, 0, 0], abs=1e-3)
+    assert output.metrics["rollout_buffer/dropped_branches"] == 1
+    samples, train_data = generate(args, lambda *a, **k: output, 0, source)
+    assert len(samples) == args.rollout_batch_size * args.n_samples_per_prompt
+    assert log_passrate(args, train_data)["pass@1"] == 0.5
+    # slime reshapes by n_samples_per_prompt: per group, -0.707 and +0.707
+    assert train_data["rewards"] == pytest.approx([-0.7071, 0.7071, 0.7071, -0.7071], abs=1e-3)
+
+
+def test_a_step_where_every_group_is_refused_stops_with_the_reason(
+    args: SimpleNamespace, connect: Any
+) -> None:
+    """Issue 21, item 4: a pass that kept nothing raises, rather than starting pass after pass."""
+    hopeless = [[refused("a", 0, -0.5), refused("a", 1, 0.5)]]
+    buffer = connect(FakeBuffer({"math": [hopeless, hopeless, hopeless]}))
+    with pytest.raises(RuntimeError, match=r"all 1 groups read were refused \(the last: .*no assistant"):
+        slime_rollout.generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert len(buffer.starts) == 1
+
+
+def test_a_long_run_of_refused_groups_stops_the_step_while_the_job_runs(
+    args: SimpleNamespace, connect: Any
+) -> None:
+    limit = slime_rollout.refusal_limit(args)
+    batches = [[refused(f"q{i}", 0, -0.5), refused(f"q{i}", 1, 0.5)] for i in range(limit + 5)]
+    buffer = connect(FakeBuffer({"math": [batches]}))
+    with pytest.raises(RuntimeError, match=rf"the last {limit} groups of the math rollout were all refused"):
+        slime_rollout.generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert buffer.queues["math"]  # before the pass ended
+
+
+def served_version(rollout_id: int, *, asynchronous: bool) -> int:
+    """The engines' weight_version while slime generates step ``rollout_id`` (interval 1): the
+    push before the loop makes 1; train.py pushes after each step before the next generate;
+    train_async.py starts generate(j + 1) before step j trains and pushes after it."""
+    return max(1, rollout_id) if asynchronous else rollout_id + 1
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_the_buffer_s_lag_is_the_true_lag(args: SimpleNamespace, connect: Any, asynchronous: bool) -> None:
+    """Issue 21, item 5: the adapter's version is in the engines' numbering, so a trajectory the
+    engines stamped is as stale to the buffer as it is to the trainer (train_async: one step)."""
+    buffer = connect(FakeBuffer({"math": [[group(f"q{j}", [0, 1]) for j in range(8)]]}))
+    args.rollout_batch_size = 1
+    source = RolloutDataSourceWithBuffer(args)
+    for rollout_id in range(4):
+        slime_rollout.generate_rollout(args, rollout_id, source)
+        (_, version) = buffer.policy_calls[-1]
+        trainer_steps = rollout_id  # the policy step rollout_id trains has taken rollout_id steps
+        generated_steps = served_version(rollout_id, asynchronous=asynchronous) - 1
+        true_lag = trainer_steps - generated_steps
+        assert version - served_version(rollout_id, asynchronous=asynchronous) == true_lag
+    assert [call[1] for call in buffer.policy_calls] == [1, 2, 3, 4]
+
+
+def test_a_resumed_run_counts_versions_as_slime_s_engines_do(args: SimpleNamespace) -> None:
+    args.start_rollout_id = 10  # slime's engines start again at 1 after the first push
+    assert slime_rollout.policy_version(args, 10) == 1
+    args.update_weights_interval = 2
+    assert [slime_rollout.policy_version(args, j) for j in range(10, 14)] == [1, 1, 2, 2]
 
 
 def eval_items(name: str, rewards: list[list[float]]) -> list[list[dict[str, Any]]]:
@@ -531,7 +594,7 @@ def test_evaluation_counts_whole_groups_without_failures(
     path.write_text('{"q": 1}\n{"q": 2}\n{"q": 3}\n{"q": 4}\n')
     args.eval_prompt_data = ["arith", str(path)]
     groups = eval_items("e", [[1, 0], [1, -1], [0, 0], [1]])  # a failure, and a group that came back short
-    connect(FakeBuffer({"eval-arith-3": [[[item for g in groups for item in g]]]}))
+    connect(FakeBuffer({"eval-arith": [[[item for g in groups for item in g]]]}))
     output = slime_rollout.generate_rollout(args, 3, RolloutDataSourceWithBuffer(args), evaluation=True)
     result = output.data["arith"]
     assert result["rewards"] == [1, 0, 0, 0]
@@ -550,7 +613,7 @@ def test_an_evaluation_that_gives_nothing_is_left_out(
     path = tmp_path / "eval.jsonl"
     path.write_text('{"q": 1}\n')
     args.eval_prompt_data = ["empty", str(path)]
-    connect(FakeBuffer({"eval-empty-0": [[eval_items("e", [[-1, -1]])[0]]]}))
+    connect(FakeBuffer({"eval-empty": [[eval_items("e", [[-1, -1]])[0]]]}))
     output = slime_rollout.generate_rollout(args, 0, RolloutDataSourceWithBuffer(args), evaluation=True)
     assert output.data == {}
     logged = log_eval_rollout_data(0, args, output.data, output.metrics)
@@ -575,11 +638,11 @@ def test_the_eval_config_sets_each_data_sets_run(args: SimpleNamespace, connect:
         )
     ]
     args.n_samples_per_eval_prompt = 3
-    buffer = connect(FakeBuffer({"eval-hard-0": [[eval_items("h", [[1, 0, 1]])[0]]]}))
+    buffer = connect(FakeBuffer({"eval-hard": [[eval_items("h", [[1, 0, 1]])[0]]]}))
     output = slime_rollout.generate_rollout(args, 0, RolloutDataSourceWithBuffer(args), evaluation=True)
     (start,) = buffer.starts
     assert (start["rollout_name"], start["input_file"], start["num_repeat_per_sample"]) == (
-        "eval-hard-0",
+        "eval-hard",
         str(path),
         "3",
     )
@@ -595,3 +658,26 @@ def test_the_eval_config_sets_each_data_sets_run(args: SimpleNamespace, connect:
 
 def test_a_failed_trajectory_is_told_by_the_reward_generators_write() -> None:
     assert slime_samples.FAILURE_REWARD == default_func.FAILURE_REWARD
+
+
+def test_each_data_set_has_one_eval_task_and_a_branched_trajectory_counts_every_branch(
+    args: SimpleNamespace, connect: Any, tmp_path: Path
+) -> None:
+    """Issue 21, item 10: evaluations reuse one task per data set (nothing left behind per
+    rollout id), drop what an earlier one left ready, and count every branch's tokens."""
+    path = tmp_path / "eval.jsonl"
+    path.write_text('{"q": 1}\n')
+    args.eval_prompt_data = ["arith", str(path)]
+    first = eval_items("e", [[1, 0]])[0]
+    first[1] = branched(first[1])
+    second = eval_items("f", [[0, 0]])[0]
+    buffer = connect(FakeBuffer({"eval-arith": [[first], [second]]}))
+    output = slime_rollout.generate_rollout(args, 0, RolloutDataSourceWithBuffer(args), evaluation=True)
+    merged = output.data["arith"]["samples"][1]
+    assert merged.tokens == [5, 6, 7, 8, 11]
+    assert merged.loss_mask == [1, 1, 1]
+    assert merged.response_length == 3
+    buffer.queues["eval-arith"] = [eval_items("x", [[1, 1]])[0]]  # left ready by the first
+    output = slime_rollout.generate_rollout(args, 1, RolloutDataSourceWithBuffer(args), evaluation=True)
+    assert {start["rollout_name"] for start in buffer.starts} == {"eval-arith"}
+    assert output.data["arith"]["rewards"] == [0, 0]

@@ -210,10 +210,11 @@ def test_each_step_sets_the_policy_version_and_pauses_generation_until_the_next(
     for step in range(3):
         samples, _ = generate(args, slime_rollout.generate_rollout, step, source)
         policy = buffer_get(args.rollout_buffer_url, "/policy")
-        assert policy["version"] == step
+        # slime's engines' numbering: the push before step 0 makes weight version 1
+        assert policy["version"] == step + 1
         assert policy["paused"] is True  # held while slime trains and syncs the weights
         for sample in samples:
-            assert step - sample.metadata["policy_version_min"] <= 1
+            assert step + 1 - sample.metadata["policy_version_min"] <= 1
     assert buffer_get(args.rollout_buffer_url, "/policy")["admission"]["math"]["max_staleness"] == 1
     slime_rollout.generate_rollout(args, 3, source)
-    assert buffer_get(args.rollout_buffer_url, "/policy")["version"] == 3
+    assert buffer_get(args.rollout_buffer_url, "/policy")["version"] == 4
