@@ -42,7 +42,7 @@ validates and counts it, the trainer side hands over only ``"sampling"`` logprob
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, get_args
 
 LogprobsKind = Literal["sampling", "raw", "unknown", "constrained"]
@@ -206,6 +206,18 @@ def constraint(sampling: Mapping[str, Any] | None) -> str | None:
     if tool_choice == "required" or isinstance(tool_choice, Mapping):
         return "tool_choice"
     return None
+
+
+#: What a trajectory's logprobs are, from its turns': the first of these any turn has (a turn
+#: the trainer cannot have makes the whole trajectory one it cannot have as a whole).
+_WORST_FIRST: tuple[LogprobsKind, ...] = ("raw", "constrained", "unknown", "sampling")
+
+
+def trajectory_kind(turns: Iterable[Mapping[str, Any]]) -> LogprobsKind | None:
+    """What a trajectory's logprobs are (``_WORST_FIRST`` of its turns' kinds); None when no turn
+    has logprobs."""
+    kinds = {turn_kind(turn) for turn in turns}
+    return next((kind for kind in _WORST_FIRST if kind in kinds), None)
 
 
 def turn_kind(turn: Mapping[str, Any]) -> LogprobsKind | None:

@@ -30,7 +30,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from buffer.core.rollout_buffer import RolloutBuffer
-from buffer.logprob_kinds import KINDS, turn_kind
+from buffer.logprob_kinds import KINDS, trajectory_kind
 from buffer.policy.metrics import policy_metrics
 from buffer.service.jobs import JobManager, JobStatus
 
@@ -52,8 +52,9 @@ JOB_COUNTERS = {
 
 class WrittenLogprobs:
     """Trajectories written with token logprobs, by task and what the logprobs are: ``raw`` if
-    any turn's are known not to be the sampling distribution's, else ``unknown`` if any turn's
-    cannot be known (or do not say), else ``sampling``. A write observer of the buffer."""
+    any turn's are known not to be the sampling distribution's, else ``constrained`` if any turn
+    was sampled under a grammar, else ``unknown`` if any turn's cannot be known (or do not say),
+    else ``sampling`` (``logprob_kinds.trajectory_kind``). A write observer of the buffer."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -63,8 +64,7 @@ class WrittenLogprobs:
         turns = item.get("turns")
         if not turns:
             return
-        kinds = {turn_kind(turn) for turn in turns}
-        kind = next((name for name in ("raw", "unknown", "sampling") if name in kinds), None)
+        kind = trajectory_kind(turns)
         if kind is not None:
             with self._lock:
                 self._counts[task_type, kind] += 1

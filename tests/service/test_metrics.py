@@ -104,6 +104,16 @@ def test_trajectories_with_logprobs_are_counted_by_what_those_are(client: TestCl
     assert value(samples, "trajectories_logprobs_total", task="math", kind="unknown") == 2
 
 
+def test_trajectories_sampled_under_a_grammar_are_counted_as_constrained(client: TestClient) -> None:
+    items = group("q1", [0, 1], task_type="math")
+    with_logprobs(items[0], "constrained")
+    with_logprobs(items[1], "sampling", "constrained")  # its tool call was forced: not all sampling
+    write_all(client, items)
+    samples = scrape(client)
+    assert value(samples, "trajectories_logprobs_total", task="math", kind="constrained") == 2
+    assert value(samples, "trajectories_logprobs_total", task="math", kind="sampling") == 0
+
+
 def test_a_turn_that_misnames_what_its_logprobs_are_is_refused(client: TestClient) -> None:
     item = with_logprobs(group("q1", [0])[0], "sampled")
     refused = client.post("/buffer/write", json=item)
