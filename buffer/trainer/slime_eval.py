@@ -12,9 +12,12 @@ number of rewards and, with ``--log-passrate``, reshapes them into groups of
 short is left out of the rewards, its samples counted in the metrics instead; a data set with
 no whole group is left out of the output, said in the log and the metrics.
 
-A trajectory whose turns branched is one eval sample holding every branch's response (`merged`):
-an eval sample is logged, never trained, and slime's response-length metrics should count all
-that was generated, not the last branch alone.
+A trajectory is exactly one eval sample with the trajectory's reward, however its turns
+branched: one whose turns branched holds every branch's response (`merged`), since an eval
+sample is logged, never trained, and slime's response-length metrics should count all that was
+generated, not the last branch alone. A trajectory the converter refused counts its reward and
+holds a typical sibling's tokens (`buffer.trainer.slime_samples.typical`), so those metrics do
+not log it as an empty answer.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from buffer.trainer.samples import TrainingSample
-from buffer.trainer.slime_samples import FAILURE_REWARD, Converted, number, to_sample
+from buffer.trainer.slime_samples import FAILURE_REWARD, Converted, number, to_sample, typical
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +136,11 @@ def eval_output(
     args: Any, spec: EvalSet, groups: Sequence[Sequence[Converted]]
 ) -> tuple[dict[str, Any] | None, dict[str, float]]:
     """``{"rewards", "truncated", "samples"}`` over the whole groups, or None when there is no
-    whole group; and the counts of what was left out, as ``eval/<name>-...`` metrics."""
+    whole group; and the counts of what was left out, as ``eval/<name>-...`` metrics.
+
+    Each trajectory of a whole group is one sample and one reward, in the same order, so every
+    trajectory's reward counts once (pass@k and the mean alike): a branched one is its branches
+    `merged` into one sample, never a sample per branch, nor its last branch alone."""
     reward_key = getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None)
     samples: list[Any] = []
     rewards: list[float] = []
@@ -146,10 +153,18 @@ def eval_output(
             dropped += 1
             continue
         group_index = len(rewards) // spec.n
-        for c, value in zip(group, values, strict=True):
+        whole = [merged(c.samples) if c.samples else None for c in group]
+        kept = [(one, None) for one in whole if one is not None]
+        stand_in = typical(kept)[0] if kept else None
+        for c, converted, value in zip(group, whole, values, strict=True):
             refused += c.refusal is not None
-            converted = merged(c.samples) if c.samples else None
-            samples.append(to_sample(c.item, converted, group_index, len(rewards), c.item.get("reward")))
+            sample = to_sample(c.item, converted, group_index, len(rewards), c.item.get("reward"))
+            if converted is None and stand_in is not None:  # logged as a typical answer, not an empty one
+                sample.tokens = list(stand_in.tokens)
+                sample.response_length = stand_in.response_length
+                sample.loss_mask = list(stand_in.loss_mask)
+                sample.metadata["refused"] = c.refusal
+            samples.append(sample)
             rewards.append(value)  # type: ignore[arg-type]  # not None: checked above
     metrics = {
         f"eval/{spec.name}-groups": float(len(rewards) // spec.n),

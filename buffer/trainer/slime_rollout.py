@@ -561,11 +561,14 @@ def _when_idle(args: Any, session: _Session, counts: StepCounts, progress: str) 
 
 def _evaluate(args: Any, rollout_id: int, session: _Session) -> Any:
     """Run each eval data set through the buffer: slime's ``{name: {"rewards", "truncated",
-    "samples"}}``, with what was left out in the metrics."""
-    data: dict[str, dict[str, Any]] = {}
-    metrics: dict[str, float] = {}
-    for spec in eval_sets(args):
-        rollout_name = f"eval-{spec.name}"  # one task per data set, reused by every evaluation
+    "samples"}}``, with what was left out in the metrics.
+
+    Every data set's job starts first and all are collected after, so they run at once. Each data
+    set is one task, ``eval-<name>``, reused by every evaluation; an evaluation leaves it with
+    nothing ready, no group pending and no job running (`_collect`)."""
+    specs = eval_sets(args)
+    tasks = {spec.name: f"eval-{spec.name}" for spec in specs}  # one task per data set, reused
+    for spec in specs:
         if getattr(args, "log_passrate", False) and spec.n != getattr(
             args, "n_samples_per_eval_prompt", spec.n
         ):
@@ -577,11 +580,18 @@ def _evaluate(args: Any, rollout_id: int, session: _Session) -> Any:
                 args.n_samples_per_eval_prompt,
             )
         payload = _payload(args, input_file=spec.path, n=spec.n, num_epoch=1, sampling=spec.sampling)
-        _drain(session, rollout_name)
+        _drain(session, tasks[spec.name])
         session.client.start_rollout(
-            args.rollout_task_type, rollout_name=rollout_name, evaluation=True, restart=True, **payload
+            args.rollout_task_type,
+            rollout_name=tasks[spec.name],
+            evaluation=True,
+            restart=True,
+            **payload,
         )
-        groups = _collect(session, rollout_name, _prompts(spec.path) * spec.n, spec.n)
+    data: dict[str, dict[str, Any]] = {}
+    metrics: dict[str, float] = {}
+    for spec in specs:
+        groups = _collect(session, tasks[spec.name], _prompts(spec.path) * spec.n, spec.n)
         converter = session.converter(spec.chat_template_kwargs)
         converted: list[list[Converted]] = [[convert(converter, item) for item in group] for group in groups]
         result, counts = eval_output(args, spec, converted)
@@ -611,7 +621,8 @@ def _collect(
     session: _Session, rollout_name: str, expected: int, n: int, timeout_s: float = 3600.0
 ) -> list[list[dict[str, Any]]]:
     """The groups of an evaluation run: ``expected`` items, or what there is once its job has
-    ended and the buffer has nothing more."""
+    ended and no group of its task is pending (an open group finishes or times out on its own).
+    Past ``timeout_s`` its job is cancelled, so nothing of it runs on after the evaluation."""
     groups: list[list[dict[str, Any]]] = []
     items = 0
     deadline = time.monotonic() + timeout_s
@@ -623,8 +634,15 @@ def _collect(
             break
     if items < expected:
         logger.warning("evaluation %s: %d of %d samples came back", rollout_name, items, expected)
+        for job in session.client.jobs():
+            if job.task_type == rollout_name and job.status == "running":
+                session.client.cancel_job(job.id)
     return groups
 
 
 def _running(session: _Session, task_type: str) -> bool:
-    return any(job.status == "running" for job in session.client.jobs() if job.task_type == task_type)
+    """Whether more may come: the task's job runs, or a group of it is pending (open groups
+    finish or time out on their own)."""
+    if any(job.status == "running" for job in session.client.jobs() if job.task_type == task_type):
+        return True
+    return bool(session.client.stats().tasks.get(task_type, {}).get("pending_groups", 0))

@@ -15,9 +15,11 @@ here keeps one of those steps from failing or training on the wrong thing:
   ``metadata["instance_id"]``), ``group_index`` counts groups, and ``rollout_id`` is the
   trajectory's ``index``.
 - A trajectory the converter refuses (``SampleConversionError``) keeps its place and its
-  reward in its group, as a placeholder slime trains nothing on (``remove_sample``, loss mask
-  0, status FAILED, the reason in ``metadata["refused"]``), so the group's baseline and its
-  size stay right. A group with nothing convertible is dropped. Both are counted.
+  reward in its group, as a placeholder slime trains nothing on (``remove_sample``, status
+  FAILED, the reason in ``metadata["refused"]``), so the group's baseline and its size stay
+  right; it holds a typical sibling's tokens and loss mask, so slime's response-length metrics
+  are not pulled to 0 (`_placeholder`). A group with nothing convertible is dropped. Both are
+  counted.
 - One sample per trajectory, whatever branches: a group is exactly ``n_samples_per_prompt``
   samples, as slime's reward normalisation (``_post_process_rewards`` reshapes by it) and
   ``log_passrate`` (``compute_pass_rate`` asserts ``rollout_batch_size`` groups of it) require.
@@ -25,6 +27,13 @@ here keeps one of those steps from failing or training on the wrong thing:
   the tokens the engine saw for its last turns, the earlier turns in them as context (loss
   mask 0). The earlier branches' samples are not trained on (their tokens are not in the
   last branch's context as generated), counted in ``dropped_branches``.
+- Images: slime's trainer takes a sample's pixels from ``multimodal_train_inputs`` alone (the
+  processor's output for the images, minus the prompt's ``input_ids`` and ``attention_mask``, as
+  slime's own rollout builds them), never from ``multimodal_inputs`` (the raw images, kept for
+  logging). `ImageInputs` builds them with the processor of ``--hf-checkpoint``, loaded the first
+  time a sample has images; a checkpoint without one (a text-only model) changes nothing. A
+  sample whose image tokens are not as many as the processor makes for its images is refused
+  (the model's forward would fail on the whole batch).
 - ``rollout_log_probs`` are all set or all None in a step (slime decides from the first
   sample and cannot make a tensor of None). When ``--use-tis``, ``--use-rollout-logprobs``
   or ``--get-mismatch-metrics`` reads them, a sample without them (text only) stays in its
@@ -42,12 +51,17 @@ here keeps one of those steps from failing or training on the wrong thing:
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import logging
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from buffer.keys import key_or_env
 from buffer.trainer.samples import SampleConversionError, SampleConverter, TrainingSample
 
 try:
@@ -141,11 +155,110 @@ class StepCounts:
         return {f"rollout_buffer/{name}": float(value) for name, value in asdict(self).items()}
 
 
+#: What slime's rollout leaves out of the processor's output (``_PROCESSOR_PROMPT_KEYS`` in
+#: slime/rollout/sglang_rollout.py): the prompt's ids, which are the sample's tokens here.
+PROCESSOR_PROMPT_KEYS = frozenset({"input_ids", "attention_mask"})
+#: The buffer's own reference to an image it keeps (``<service>/images/<sha256>``).
+_BUFFER_IMAGE = re.compile(r"/images/([0-9a-f]{64})$")
+IMAGE_TIMEOUT_S = 60.0
+
+
+class ImageInputs:
+    """slime's ``multimodal_train_inputs`` for a sample with images: what the processor of
+    ``--hf-checkpoint`` makes of them (pixel values, grids), minus ``PROCESSOR_PROMPT_KEYS``, as
+    slime's own rollout builds them (``_prepare_prompt_ids``, with ``build_processor_kwargs``).
+
+    The processor gets the images as the engine got them (the trajectory's URLs, loaded) and
+    one image token per image as its text: only its count of image tokens is read, to check that
+    the sample's tokens hold as many (``SampleConversionError`` otherwise: the model's forward
+    would fail on the whole batch). It is loaded the first time a sample has images; a checkpoint
+    with none (a text-only model, slime's ``load_processor`` gives None) leaves the inputs None.
+    """
+
+    def __init__(self, args: Any) -> None:
+        self.checkpoint = getattr(args, "hf_checkpoint", None)
+        self.buffer_url = getattr(args, "rollout_buffer_url", None)
+        self.api_key = key_or_env(getattr(args, "rollout_buffer_api_key", None))
+        self.loaded = False
+        self.processor: Any = None
+
+    def _load(self) -> Any:
+        if not self.loaded:
+            from slime.utils.processing_utils import load_processor
+
+            self.loaded = True
+            self.processor = load_processor(self.checkpoint, trust_remote_code=True)
+            if self.processor is None:
+                logger.warning(
+                    "samples have images and %s has no processor (a text-only model): trained as text",
+                    self.checkpoint,
+                )
+        return self.processor
+
+    def build(self, sample: TrainingSample) -> dict[str, Any] | None:
+        urls = list((sample.multimodal_inputs or {}).get("images") or [])
+        if not urls or (processor := self._load()) is None:
+            return None
+        from slime.utils.processing_utils import build_processor_kwargs
+
+        token = getattr(processor, "image_token", None)
+        if not isinstance(token, str):
+            raise SampleConversionError(f"the processor of {self.checkpoint} names no image_token")
+        images = [load_image(url, self.buffer_url, self.api_key) for url in urls]
+        output = processor(text=token * len(images), **build_processor_kwargs({"images": images}))
+        token_id = getattr(processor, "image_token_id", None)
+        if token_id is not None:
+            made = list(output["input_ids"][0]).count(token_id)
+            held = sample.tokens.count(token_id)
+            if made != held:
+                raise SampleConversionError(
+                    f"the processor of {self.checkpoint} makes {made} image tokens of the sample's "
+                    f"{len(images)} images, and its tokens hold {held} (the engine processed them otherwise)"
+                )
+        return {key: value for key, value in output.items() if key not in PROCESSOR_PROMPT_KEYS} or None
+
+
+def load_image(url: str, buffer_url: str | None, api_key: str | None) -> Any:
+    """A trajectory's image (a ``data:`` URL, or one to fetch) as a PIL image."""
+    from PIL import Image, UnidentifiedImageError  # type: ignore[import-not-found, unused-ignore]  # slime installs it
+
+    try:
+        image = Image.open(io.BytesIO(image_bytes(url, buffer_url, api_key)))
+        image.load()
+    except (UnidentifiedImageError, OSError) as exc:
+        raise SampleConversionError(f"image {url[:80]!r} cannot be read: {exc}") from exc
+    return image
+
+
+def image_bytes(url: str, buffer_url: str | None, api_key: str | None) -> bytes:
+    if url.startswith("data:"):
+        try:
+            return base64.b64decode(url.partition(",")[2], validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise SampleConversionError(f"image {url[:80]!r}: not base64: {exc}") from exc
+    if not url.startswith(("http://", "https://")):
+        raise SampleConversionError(f"image {url[:80]!r}: neither a data: URL nor an http(s) one")
+    headers = {}
+    if buffer_url and (match := _BUFFER_IMAGE.search(url)):
+        # the buffer's own reference names its local address, which the trainer may not reach
+        url = f"{buffer_url.rstrip('/')}/images/{match.group(1)}"
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    import httpx
+
+    try:
+        response = httpx.get(url, headers=headers, timeout=IMAGE_TIMEOUT_S, follow_redirects=True)
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise SampleConversionError(f"image {url[:80]!r} cannot be fetched: {exc}") from exc
+    return response.content
+
+
 class SampleBuilder:
     """Builds slime's groups for one trainer process, numbering groups and trajectories."""
 
     def __init__(self, args: Any) -> None:
         self.raw_rewards = slime_normalises_rewards(args)
+        self.images = ImageInputs(args)
         self.groups_made = 0
         self.trajectories_made = 0
         self.said_withheld = False
@@ -154,7 +267,9 @@ class SampleBuilder:
 
     def group(self, converted: Sequence[Converted], counts: StepCounts) -> list[Entry] | None:
         """One group's entries, or None when nothing in it can be trained on."""
-        template = next((c.samples[0] for c in converted if c.samples), None)
+        converted, images = self._with_images(converted)
+        kept = [(c.samples[-1], inputs) for c, inputs in zip(converted, images, strict=True) if c.samples]
+        template, template_images = typical(kept) if kept else (None, None)
         rewards = [_reward(c.item, raw=self.raw_rewards) for c in converted]
         if template is None or None in rewards:
             counts.refused_groups += 1
@@ -168,7 +283,7 @@ class SampleBuilder:
         group_index = self.groups_made
         self.groups_made += 1
         entries: list[Entry] = []
-        for c, reward in zip(converted, rewards, strict=True):
+        for c, reward, train_inputs in zip(converted, rewards, images, strict=True):
             index = self.trajectories_made
             self.trajectories_made += 1
             if c.refusal is not None:
@@ -176,7 +291,7 @@ class SampleBuilder:
                 logger.warning(
                     "refused trajectory %r kept as a placeholder: %s", c.item.get("uid"), c.refusal
                 )
-                entries.append(_placeholder(c, template, group_index, index, reward))
+                entries.append(_placeholder(c, template, template_images, group_index, index, reward))
                 continue
             last = c.samples[-1]  # a branched trajectory: its last branch (see the module's docstring)
             if len(c.samples) > 1:
@@ -184,8 +299,26 @@ class SampleBuilder:
                 counts.dropped_branches += len(c.samples) - 1
             counts.rerendered_samples += int(last.metadata.get("source") == "rerendered")
             self._count_withheld([last], counts)
-            entries.append(to_sample(c.item, last, group_index, index, reward))
+            sample = to_sample(c.item, last, group_index, index, reward)
+            sample.multimodal_train_inputs = train_inputs
+            entries.append(sample)
         return entries
+
+    def _with_images(self, converted: Sequence[Converted]) -> tuple[list[Converted], list[Any]]:
+        """The group with each sample's ``multimodal_train_inputs`` (`ImageInputs`); a sample whose
+        images cannot be made train inputs is refused."""
+        kept: list[Converted] = []
+        images: list[Any] = []
+        for c in converted:
+            inputs = None
+            if c.samples:
+                try:
+                    inputs = self.images.build(c.samples[-1])
+                except SampleConversionError as exc:
+                    c = Converted(c.item, [], str(exc))
+            kept.append(c)
+            images.append(inputs)
+        return kept, images
 
     def _count_withheld(self, samples: Sequence[TrainingSample], counts: StepCounts) -> None:
         for one in samples:
@@ -243,12 +376,29 @@ def to_sample(
     return sample
 
 
-def _placeholder(c: Converted, template: TrainingSample, group_index: int, index: int, reward: Any) -> Any:
-    """A refused trajectory in its group: its reward counts, its tokens (a sibling's) do not."""
+def typical(samples: Sequence[tuple[TrainingSample, Any]]) -> tuple[TrainingSample, Any]:
+    """The sample (with its image inputs) of median trained length: a refused sibling's stand-in."""
+    return sorted(samples, key=lambda pair: sum(pair[0].loss_mask))[(len(samples) - 1) // 2]
+
+
+def _placeholder(
+    c: Converted, template: TrainingSample, images: Any, group_index: int, index: int, reward: Any
+) -> Any:
+    """A refused trajectory in its group: its reward counts, its tokens (a sibling's) do not.
+
+    slime logs response lengths (``log_rollout_data``: ``response_len/*`` and the effective
+    tokens per second, over ``effective_response_length``, the sum of the loss mask) before it
+    builds the train data, over every sample of the step: a loss mask of zeros would log the
+    refused trajectory as an empty answer (min 0, the mean pulled down). The placeholder holds a
+    sibling's tokens, images and loss mask, the sibling of median trained length (`typical`),
+    so it counts as a typical answer of its group. ``remove_sample`` keeps it out of the loss:
+    slime zeroes the loss mask of such a sample when it builds the train data, as it does for a
+    sample without rollout log probs (`finish_step`)."""
     sample = to_sample(c.item, None, group_index, index, reward)
     sample.tokens = list(template.tokens)
     sample.response_length = template.response_length
-    sample.loss_mask = [0] * template.response_length
+    sample.loss_mask = list(template.loss_mask)
+    sample.multimodal_train_inputs = images
     sample.remove_sample = True
     sample.status = Sample.Status.FAILED
     sample.metadata["refused"] = c.refusal

@@ -1,6 +1,7 @@
 """slime's logging of an evaluation's output (slime/observability/rollout_metrics.py and
 metric_utils.py), restated: the mean reward per data set, metrics over its samples, the
-truncated ratio, and pass@k over groups of ``args.n_samples_per_eval_prompt``.
+truncated ratio, and pass@k over groups of ``args.n_samples_per_eval_prompt``; and of a
+training step's samples (``log_rollout_data``: the same metrics over samples).
 """
 
 from __future__ import annotations
@@ -28,9 +29,27 @@ def log_eval_rollout_data(
     return log
 
 
+def log_rollout_data(
+    rollout_id: int, args: Any, samples: list[Sample], extra: dict[str, Any] | None, rollout_time: float
+) -> dict[str, Any]:
+    """A training step's log, as slime writes it before it builds the train data: the samples'
+    metrics under ``rollout/``."""
+    log = dict(extra or {})
+    log |= {f"rollout/{k}": v for k, v in metrics_from_samples(args, samples).items()}
+    return log
+
+
 def metrics_from_samples(args: Any, samples: list[Sample]) -> dict[str, Any]:
-    lengths = [sample.effective_response_length for sample in samples]
-    metrics: dict[str, Any] = {"response_len/max": max(lengths), "response_len/min": min(lengths)}
+    # slime's compute_statistics over the effective lengths (the loss mask's sum when set)
+    lengths = sorted(sample.effective_response_length for sample in samples)
+    middle = len(lengths) // 2
+    median = lengths[middle] if len(lengths) % 2 else (lengths[middle - 1] + lengths[middle]) / 2
+    metrics: dict[str, Any] = {
+        "response_len/mean": sum(lengths) / len(lengths),
+        "response_len/median": median,
+        "response_len/max": max(lengths),
+        "response_len/min": min(lengths),
+    }
     groups: dict[Any, list[Sample]] = {}
     for sample in samples:
         groups.setdefault(sample.group_index, []).append(sample)

@@ -139,6 +139,9 @@ def convert_samples_to_train_data(args: Any, samples: list[Sample]) -> dict[str,
             assert sample.rollout_top_p_token_offsets[-1] == len(sample.rollout_top_p_token_ids)
         train_data["rollout_top_p_token_ids"] = [sample.rollout_top_p_token_ids for sample in samples]
         train_data["rollout_top_p_token_offsets"] = [sample.rollout_top_p_token_offsets for sample in samples]
+    # The pixels a VLM trains on: only this field reaches the trainer (not multimodal_inputs).
+    if any(sample.multimodal_train_inputs is not None for sample in samples):
+        train_data["multimodal_train_inputs"] = [sample.multimodal_train_inputs for sample in samples]
     return train_data
 
 
