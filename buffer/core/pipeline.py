@@ -22,6 +22,12 @@ REQUIRED_KEYS = ("uid", "instance_id", "messages", "reward", "extra_info")
 INVALID_GROUP = "invalid_group"
 TOO_FEW_VALID_ITEMS = "too_few_valid_items"
 TIMEOUT_TOO_SMALL = "timeout_too_small"
+TOO_LARGE_TO_PAD = "too_large_to_pad"
+
+#: The most copies padding may add to a group: a client sets the group size, and padding a few
+#: items to a huge one would make copies the buffer keeps and a read hands out (a group that
+#: needs more is discarded as ``too_large_to_pad``).
+MAX_PAD_ITEMS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,8 @@ def _process(
     group = _group(
         "normalize_group_data", _call("normalize_group_data", hooks.normalize_group_data, (instance_id, kept))
     )
+    if size - len(group[1]) > MAX_PAD_ITEMS:
+        return Discarded(TOO_LARGE_TO_PAD)
     group = _group("pad_group_data", _call("pad_group_data", hooks.pad_group_data, group, size))
     group = _group("transform_group", _call("transform_group", hooks.transform_group, group, task_type))
     final = group[1]

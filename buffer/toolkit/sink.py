@@ -6,6 +6,11 @@ straight into the buffer, validated as a write would be, with no HTTP round trip
 they go over HTTP to ``/buffer/write_batch``: batched, retried until the buffer takes them (a
 429 or an outage slows the generator down; nothing is dropped), idempotent because the buffer
 deduplicates by ``uid``.
+
+A trajectory the buffer refuses as invalid is a bug of the generator, never retried: the local
+writer raises ``RejectedTrajectory`` from ``write``; the HTTP sink, which sends from the
+background, counts it and raises ``RejectedTrajectory`` from ``aclose``, so a job whose
+writes were refused fails (saying how many) instead of succeeding without them.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class HttpSink:
         self._flusher: asyncio.Task[None] | None = None
         self.written = 0
         self.rejected = 0
+        self._first_rejection: str | None = None  # why the first refused trajectory was refused
 
     @property
     def authorization(self) -> str | None:
@@ -89,12 +95,19 @@ class HttpSink:
         await self._queue.put(trajectory)
 
     async def aclose(self) -> None:
-        """Send everything queued, then stop."""
-        if self._flusher is not None and not self._flusher.done():
-            await self._queue.put(None)
-            await self._flusher
-        if self._transport is not None:
-            await self._transport.aclose()
+        """Send everything queued, then stop; ``RejectedTrajectory`` if the buffer refused any."""
+        try:
+            if self._flusher is not None and not self._flusher.done():
+                await self._queue.put(None)
+                await self._flusher
+        finally:
+            if self._transport is not None:
+                await self._transport.aclose()
+        if self.rejected:
+            raise RejectedTrajectory(
+                f"the buffer refused {self.rejected} of {self.rejected + self.written} trajectories "
+                f"(the first: {self._first_rejection})"
+            )
 
     async def _flush_forever(self) -> None:
         while True:
@@ -130,6 +143,8 @@ class HttpSink:
         except (RejectedTrajectory, _TooLarge) as exc:
             if len(batch) == 1:
                 self.rejected += 1
+                if self._first_rejection is None:
+                    self._first_rejection = f"{batch[0].get('uid')}: {str(exc)[:500]}"
                 logger.error("the buffer refused trajectory %s: %s", batch[0].get("uid"), exc)
                 return
             if isinstance(exc, _TooLarge):  # past --max-request-bytes: send it in halves

@@ -30,7 +30,15 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from buffer.errors import InvalidInput
 from buffer.lease_terms import item_key, split_key
+
+#: What clients may make the board hold, all tasks together (claims come over HTTP): tasks with
+#: leases, items held or released, workers, and epoch sizes of plans.
+MAX_TASKS = 1000
+MAX_ITEMS = 200_000
+MAX_WORKERS = 10_000
+MAX_EPOCHS = 1_000_000
 
 
 @dataclass(slots=True)
@@ -100,8 +108,9 @@ class LeaseBoard:
     """The service's leases, by task. Its calls are short and take a lock: the routes call it on
     the event loop, the buffer's writes (``observe``) and an inline sync generator elsewhere."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *, max_tasks: int = MAX_TASKS) -> None:
         self._tasks: dict[str, _Section] = {}
+        self._max_tasks = max_tasks
         self._clock = clock
         self._lock = threading.Lock()
 
@@ -153,8 +162,11 @@ class LeaseBoard:
         plan: Mapping[str, int] | None = None,
     ) -> list[str]:
         """Grant ``worker`` the offered items nobody holds and none has made; renew its leases.
-        ``plan``: how many items each epoch of the worker's plan has (sent once)."""
+        ``plan``: how many items each epoch of the worker's plan has (sent once). A claim that
+        would take the board past its bounds is refused whole (``InvalidInput``)."""
+        offer = list(offer)
         with self._lock:
+            self._check_room(task_type, worker, len(offer), len(plan or ()))
             section = self._tasks.setdefault(task_type, _Section())
             holder = self._renew(section, worker, ttl_s)
             if plan:
@@ -177,6 +189,7 @@ class LeaseBoard:
         hold, and how many of the plan nobody holds or made (a worker lost before claiming
         them: walk the plan again)."""
         with self._lock:
+            self._check_room(task_type, worker, 0, 0)
             section = self._tasks.setdefault(task_type, _Section())
             now = self._clock()
             holder = self._renew(section, worker, ttl_s)
@@ -227,6 +240,22 @@ class LeaseBoard:
             if section is None:
                 return 0
             return sum(len(state.made) for state in section.epochs.values()) + len(section.odd)
+
+    def _check_room(self, task_type: str, worker: str, items: int, epochs: int) -> None:
+        """Refuse a client's call that would grow the board past its bounds (under the lock)."""
+        section = self._tasks.get(task_type)
+        if section is None and len(self._tasks) >= self._max_tasks:
+            raise InvalidInput.one(
+                "task_type", f"the lease board keeps leases of at most {self._max_tasks} tasks"
+            )
+        sections = self._tasks.values()
+        new_worker = section is None or worker not in section.holders
+        if new_worker and sum(len(s.holders) for s in sections) >= MAX_WORKERS:
+            raise InvalidInput.one("worker", f"the lease board keeps at most {MAX_WORKERS} workers")
+        if items and sum(len(s.held) + len(s.orphans) for s in sections) + items > MAX_ITEMS:
+            raise InvalidInput.one("offer", f"the lease board holds at most {MAX_ITEMS} items; retry later")
+        if epochs and sum(len(s.sizes) for s in sections) + epochs > MAX_EPOCHS:
+            raise InvalidInput.one("plan", f"the lease board keeps the sizes of at most {MAX_EPOCHS} epochs")
 
     def _renew(self, section: _Section, worker: str, ttl_s: float) -> _Holder:
         expires = self._clock() + ttl_s

@@ -12,7 +12,7 @@ import pytest
 import respx
 from fastapi.testclient import TestClient
 
-from buffer.toolkit.sink import HttpSink, same_service
+from buffer.toolkit.sink import HttpSink, RejectedTrajectory, same_service
 from tests.support.calls import job_status, wait_for
 from tests.support.factories import trajectory, write_generator
 
@@ -86,7 +86,8 @@ async def test_a_refused_trajectory_does_not_hold_back_the_rest() -> None:
     good = [trajectory(f"q{i}") for i in range(3)]
     for item in [good[0], bad, *good[1:]]:
         await out.write(item)
-    await out.aclose()
+    with pytest.raises(RejectedTrajectory, match="refused 1 of 4"):
+        await out.aclose()
     assert (out.written, out.rejected) == (3, 1)
     delivered = [json.loads(call.request.content) for call in route.calls if call.response.status_code == 200]
     assert sorted(item["uid"] for batch in delivered for item in batch) == sorted(
@@ -110,7 +111,8 @@ async def test_a_batch_past_the_size_limit_is_sent_in_halves_and_only_a_lone_gia
     items = [trajectory(f"q{i}") for i in range(12)]  # ~300 bytes each: ~3.6 KB a batch of 12
     for item in [*items[:6], giant, *items[6:]]:
         await out.write(item)
-    await out.aclose()
+    with pytest.raises(RejectedTrajectory, match="refused 1 of 13"):
+        await out.aclose()
     assert (out.written, out.rejected) == (12, 1)
     delivered = [json.loads(call.request.content) for call in route.calls if call.response.status_code == 200]
     assert sorted(item["uid"] for batch in delivered for item in batch) == sorted(
@@ -200,7 +202,8 @@ async def test_the_default_transport_batches_waits_out_429s_and_splits_refusals(
         uids = ["a", "b", "bad", "c", "d", "e"]
         for uid in uids:
             await writer.write({**trajectory(), "uid": uid})
-        await writer.aclose()
+        with pytest.raises(RejectedTrajectory, match="refused 1 of 6"):
+            await writer.aclose()
     finally:
         await runner.cleanup()
     assert sorted(uid for batch in received for uid in batch) == ["a", "b", "c", "d", "e"]

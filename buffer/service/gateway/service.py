@@ -33,7 +33,13 @@ from buffer.service.gateway.assembly import NothingRecorded, assemble
 from buffer.service.gateway.calls import Call
 from buffer.service.gateway.images import ImagePolicy, write_files
 from buffer.service.gateway.proxy import EngineProxy, capture
-from buffer.service.gateway.sessions import EVENT_KIND, OnTimeout, Session, SessionStore
+from buffer.service.gateway.sessions import (
+    EVENT_KIND,
+    MAX_SESSION_TIMEOUT_S,
+    OnTimeout,
+    Session,
+    SessionStore,
+)
 from buffer.service.gateway.tree import parent_of
 from buffer.service.job_policy import JobPolicy
 from buffer.service.models import TRAJECTORY, parse_json
@@ -277,12 +283,13 @@ class Gateway:
 
 
 def _positive(value: Any) -> float | None:
-    """A task's ``session_timeout_s`` (slime sends numbers as strings), or None."""
+    """A task's ``session_timeout_s`` (slime sends numbers as strings), at most
+    ``MAX_SESSION_TIMEOUT_S`` (``"inf"`` too: a session must expire some day), or None."""
     try:
         number = float(value)
     except (TypeError, ValueError):
         return None
-    return number if number > 0 else None
+    return min(number, MAX_SESSION_TIMEOUT_S) if number > 0 else None
 
 
 def _on_timeout(value: Any) -> OnTimeout | None:

@@ -25,6 +25,11 @@ from buffer.service.gateway.tree import continued
 EVENT_KIND = "x:gateway"
 OnTimeout = Literal["write", "discard"]
 
+#: A session's metadata, as JSON: kept in memory and journaled while the session is open.
+MAX_METADATA_BYTES = 64 * 2**10
+#: The longest a session may stay idle before it times out (a week): it must expire some day.
+MAX_SESSION_TIMEOUT_S = 7 * 24 * 3600.0
+
 
 @dataclass(slots=True)
 class Session:

@@ -21,11 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from buffer import encoding, storable
 from buffer.errors import InvalidInput, NotFound
 from buffer.service.gateway.images import media_type
 from buffer.service.gateway.proxy import for_agent, stream_chunks
 from buffer.service.gateway.service import Gateway
-from buffer.service.models import FiniteNumber, InstanceId
+from buffer.service.gateway.sessions import MAX_METADATA_BYTES, MAX_SESSION_TIMEOUT_S
+from buffer.service.models import FiniteNumber, InstanceId, Int64, check_storable
 from buffer.service.responses import envelope
 from buffer.toolkit.llm import LLMError
 
@@ -37,8 +39,10 @@ class OpenSession(BaseModel):
     task_type: Annotated[str, Field(min_length=1)]
     instance_id: InstanceId
     remote_engine_url: str | list[str] | None = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
-    timeout_s: Annotated[float, Field(gt=0)] | None = None
+    metadata: dict[str, Any] = Field(
+        default_factory=dict, description=f"kept with the session: at most {MAX_METADATA_BYTES} bytes of JSON"
+    )
+    timeout_s: Annotated[float, Field(gt=0, le=MAX_SESSION_TIMEOUT_S, allow_inf_nan=False)] | None = None
     on_timeout: Literal["write", "discard"] | None = None
 
 
@@ -50,7 +54,7 @@ class EndBody(BaseModel):
     reward: FiniteNumber | dict[str, FiniteNumber] | None = None
     discard: bool = False
     #: The call whose path makes the trajectory (default: the last call recorded).
-    call: int | None = None
+    call: Int64 | None = None
 
 
 def _gateway(request: Request) -> Gateway:
@@ -60,6 +64,12 @@ def _gateway(request: Request) -> Gateway:
 
 @router.post("/sessions")
 async def open_session(body: OpenSession, request: Request) -> Response:
+    # Refused here, before the session's state holds any of it: a value the journal cannot
+    # keep, or metadata that would make every open session cost megabytes.
+    check_storable(body)
+    size = len(encoding.dumps(body.metadata))
+    if size > MAX_METADATA_BYTES:
+        raise InvalidInput.one("metadata", f"is {size} bytes of JSON; at most {MAX_METADATA_BYTES} are kept")
     gateway = _gateway(request)
     session = await gateway.open(
         body.task_type,
@@ -130,6 +140,11 @@ async def chat_completions(request: Request) -> Response:
         raise InvalidInput.one("body", f"is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidInput.one("body", "must be a JSON object")
+    # Before the engine is asked: the call is journaled with the body, and a body the journal
+    # cannot keep (nested past its depth) would fail after the engine has answered.
+    found = storable.problem_at(body)
+    if found is not None:
+        raise InvalidInput.one(storable.field_name(found[0]), found[1])
     try:
         answer = await gateway.complete(session, body)
     except LLMError as exc:
@@ -180,6 +195,7 @@ async def models(
 
 @router.post("/sessions/{session_id}/reward")
 async def reward(session_id: str, body: RewardBody, request: Request) -> Response:
+    check_storable(body)
     gateway = _gateway(request)
     await gateway.reward(gateway.session(session_id), body.reward)
     return envelope(True, "reward recorded")
@@ -189,6 +205,7 @@ async def reward(session_id: str, body: RewardBody, request: Request) -> Respons
 async def end(session_id: str, request: Request, body: EndBody | None = None) -> Response:
     gateway = _gateway(request)
     body = body or EndBody()
+    check_storable(body)
     result = await gateway.end(
         gateway.session(session_id), reward=body.reward, discard=body.discard, call=body.call
     )

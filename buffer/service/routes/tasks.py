@@ -63,14 +63,31 @@ async def configure_task(
     )
 
 
+#: The most items one epoch of a plan may have: the board sums them (``unmade``), and the sum
+#: must stay a 64-bit integer for any number of epochs it can hold.
+MAX_EPOCH_ITEMS = 2**32
+#: The longest work item (``epoch|instance_id|repeat``) and epoch name a claim may name.
+MAX_KEY_CHARS = 512
+
+
 class LeaseClaim(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     worker: Annotated[StrictStr, Field(min_length=1, max_length=200)]
-    offer: list[StrictStr] = Field(default_factory=list, max_length=10_000)
-    ttl_s: float = Field(30.0, gt=0, le=3600)
-    plan: dict[StrictStr, Annotated[int, Field(ge=0)]] | None = Field(
-        None, description="how many items each epoch of the worker's plan has (sent with its first claim)"
+    offer: list[Annotated[StrictStr, Field(max_length=MAX_KEY_CHARS)]] = Field(
+        default_factory=list, max_length=10_000
+    )
+    ttl_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False)
+    plan: (
+        dict[
+            Annotated[StrictStr, Field(max_length=MAX_KEY_CHARS)],
+            Annotated[int, Field(ge=0, le=MAX_EPOCH_ITEMS)],
+        ]
+        | None
+    ) = Field(
+        None,
+        max_length=10_000,
+        description="how many items each epoch of the worker's plan has (sent with its first claim)",
     )
 
 
@@ -79,7 +96,7 @@ class OrphanClaim(BaseModel):
 
     worker: Annotated[StrictStr, Field(min_length=1, max_length=200)]
     limit: int = Field(64, ge=0, le=10_000)
-    ttl_s: float = Field(30.0, gt=0, le=3600)
+    ttl_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False)
 
 
 @router.post("/{name}/leases")
