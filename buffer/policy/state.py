@@ -7,6 +7,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from buffer.errors import RolloutBufferError
@@ -17,12 +18,26 @@ from buffer.signal import Signal
 PauseMode = Literal["abort", "drain"]
 #: Upper bounds of the served-lag histogram (versions; +Inf implied).
 LAG_BUCKETS = (0, 1, 2, 3, 4, 8, 16)
+#: How long a worker whose watch has ended still counts as live: one that follows the policy
+#: watches again at once; one silent longer has gone, and what it had in flight with it.
+WORKER_GRACE_S = 10.0
 
 
 class PolicyError(RolloutBufferError):
     """A version lower than the current one: versions only go up."""
 
     status_code = 409
+
+
+@dataclass(slots=True)
+class _Worker:
+    """A generator elsewhere mirroring the gate (``GET /policy/watch``): what it last said."""
+
+    report: int = -1  # its own count of reports: one overtaken by a later one is dropped
+    pause: int | None = None  # the pause its gate is closed for; None while open
+    in_flight: int = 0  # its engine requests past its gate
+    watching: int = 0  # its watches open now
+    seen_at: float = 0.0
 
 
 class Policy:
@@ -33,9 +48,16 @@ class Policy:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
+        self._clock = clock
         self.version: int | None = None
         self.gate = Gate(clock)
         self.mode: PauseMode | None = None
+        #: Pauses so far: a worker says which one its gate is closed for.
+        self.pauses = 0
+        #: Workers mirroring the gate, by the name they watch under.
+        self._workers: dict[str, _Worker] = {}
+        #: Notified when a worker reports or stops watching (``drained``).
+        self.reported = Signal()
         self.engine_urls: list[str] = []
         #: The engines' kind as the trainer said it ("auto": found per URL), and as found.
         self.engine_kind = "auto"
@@ -66,7 +88,10 @@ class Policy:
     def pause(self, mode: PauseMode) -> bool:
         """Close the gate; False when it already was."""
         self.mode = mode
-        closed = self.gate.pause()
+        with self._lock:
+            closed = self.gate.pause()
+            if closed:
+                self.pauses += 1
         self.changed.notify()
         return closed
 
@@ -80,6 +105,71 @@ class Policy:
     def state(self) -> dict[str, Any]:
         """What a generator elsewhere mirrors: the version and whether it may send requests."""
         return {"version": self.version, "paused": self.gate.paused}
+
+    # -- workers: generators elsewhere, mirroring the gate ------------------------------------
+
+    def watch_begins(self, worker: str, report: int, pause: int | None, in_flight: int) -> None:
+        """``worker`` watches the policy and says what its gate holds: ``in_flight`` requests,
+        closed for pause number ``pause`` (None: open). It counts as live while it watches."""
+        with self._lock:
+            state = self._workers.setdefault(worker, _Worker())
+            state.watching += 1
+            state.seen_at = self._clock()
+            if report >= state.report:
+                state.report, state.pause, state.in_flight = report, pause, max(0, in_flight)
+        self.reported.notify()
+
+    def watch_ends(self, worker: str) -> None:
+        with self._lock:
+            state = self._workers.get(worker)
+            if state is not None:
+                state.watching -= 1
+                state.seen_at = self._clock()
+        self.reported.notify()
+
+    def _live_workers(self) -> dict[str, _Worker]:
+        """Workers watching, or that stopped within ``WORKER_GRACE_S``; forgets the others.
+        Call under the lock."""
+        now = self._clock()
+        for name, state in list(self._workers.items()):
+            if state.watching <= 0 and now - state.seen_at > WORKER_GRACE_S:
+                del self._workers[name]
+        return dict(self._workers)
+
+    def in_flight(self) -> int:
+        """Engine requests past the gate: the service's own, and each live worker's as it last said."""
+        with self._lock:
+            workers = sum(state.in_flight for state in self._live_workers().values())
+        return self.gate.in_flight + workers
+
+    def unpaused_workers(self) -> int:
+        """Live workers that have not yet said their gate is closed for the current pause."""
+        with self._lock:
+            return sum(1 for state in self._live_workers().values() if state.pause != self.pauses)
+
+    def _workers_drained(self) -> bool:
+        with self._lock:
+            return all(
+                state.pause == self.pauses and state.in_flight == 0 for state in self._live_workers().values()
+            )
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for no engine request in flight: none past the service's own
+        gate, and every live worker has said its gate is closed for this pause with none past
+        it. A worker that dies stops counting once its watch ends and its grace is over."""
+        deadline = self._clock() + timeout_s
+        while True:
+            if not await self.gate.drained(max(0.0, deadline - self._clock())):
+                return False
+            ticket = self.reported.ticket()
+            if self._workers_drained() and self.gate.in_flight <= 0:
+                ticket.cancel()
+                return True
+            left = deadline - self._clock()
+            if left <= 0:
+                ticket.cancel()
+                return False
+            await ticket.wait(min(left, 1.0))  # a grace running out notifies nobody
 
     # -- admission ---------------------------------------------------------------------
 
@@ -132,6 +222,10 @@ class Policy:
                 "engine_urls": list(self.engine_urls),
                 "engine_kinds": dict(self.engine_kinds),
                 "gate": self.gate.snapshot(),
+                "workers": {
+                    name: {"paused": state.pause == self.pauses, "in_flight": state.in_flight}
+                    for name, state in self._live_workers().items()
+                },
                 "served_groups": dict(self.served_groups),
                 "shares": {task: round(n / total, 4) for task, n in self.served_groups.items()}
                 if total

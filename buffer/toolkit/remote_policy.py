@@ -3,8 +3,11 @@
 A generator in a worker process, or on another machine, cannot await the service's gate. It
 keeps a ``Gate`` of its own in step with the service's by long-polling ``GET /policy/watch``
 (a pause reaches it as soon as the service has it), and asks ``POST /policy/admit`` before
-each group. A request already sent when a pause comes is not counted by the service's
-``drain``; in ``abort`` mode the engines abort it, and it is continued after the resume.
+each group. Each watch also tells the service, under the generator's own name, what its gate
+holds: how many engine requests are past it, and which pause it is closed for. A pause's
+drain waits for those requests, and the generator watches anew as soon as they are done while
+paused: a report per pause and per watch, never one per request. In ``abort`` mode the
+engines abort them, and they are continued after the resume.
 
 It lives in the toolkit, not in ``buffer.policy``: it is generation-side code (the runner uses
 it when the buffer it writes to is in another process), and it speaks HTTP, which the policy,
@@ -16,6 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
+import uuid
 from typing import Any
 
 import httpx
@@ -85,6 +91,11 @@ class RemotePolicy:
         self.gate = Gate()
         self.admission = RemoteAdmission(client, task_type)
         self._watcher: asyncio.Task[None] | None = None
+        #: Who this generator is to the service (``Policy.watch_begins``): unique per mirror.
+        self.name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        #: The number of the service's last pause, as last heard (-1: not yet heard).
+        self.pause = -1
+        self._reports = 0
 
     @classmethod
     async def connect(
@@ -113,6 +124,8 @@ class RemotePolicy:
 
     def _apply(self, state: dict[str, Any]) -> None:
         version = state.get("version")
+        if isinstance(pause := state.get("pause"), int):
+            self.pause = pause
         if state.get("paused"):
             if version is not None:
                 self.gate.version = version
@@ -122,16 +135,49 @@ class RemotePolicy:
 
     async def _watch(self) -> None:
         while True:
-            params: dict[str, Any] = {"paused": str(self.gate.paused).lower(), "wait_s": WATCH_S}
-            if self.gate.version is not None:
-                params["version"] = self.gate.version
             try:
-                answer = await self._client.get("/policy/watch", params=params, timeout=WATCH_S + 30)
-                answer.raise_for_status()
-                self._apply(answer.json()["data"])
+                state = await self._watch_once()
             except (httpx.HTTPError, KeyError, ValueError) as exc:
                 logger.warning("policy watch: %r; retrying in 1 s", exc)
                 await asyncio.sleep(1.0)
+                continue
+            if state is not None:
+                self._apply(state)
+
+    async def _watch_once(self) -> dict[str, Any] | None:
+        """One watch, saying what the gate holds now; the service's state when it answers.
+        While paused with requests past the gate, the watch is given up (None) once they are
+        done, for the next one to say so."""
+        self._reports += 1
+        params: dict[str, Any] = {
+            "paused": str(self.gate.paused).lower(),
+            "wait_s": WATCH_S,
+            "pause": self.pause,
+            "worker": self.name,
+            "in_flight": self.gate.in_flight,
+            "report": self._reports,
+        }
+        if self.gate.version is not None:
+            params["version"] = self.gate.version
+        poll = asyncio.ensure_future(self._client.get("/policy/watch", params=params, timeout=WATCH_S + 30))
+        idle = None
+        if self.gate.paused and self.gate.in_flight > 0:
+            idle = asyncio.ensure_future(self.gate.drained(WATCH_S + 30))
+        try:
+            waits: list[asyncio.Future[Any]] = [poll] if idle is None else [poll, idle]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if not poll.done():
+                return None
+            answer = poll.result()
+            answer.raise_for_status()
+            state: dict[str, Any] = answer.json()["data"]
+            return state
+        finally:
+            for task in (poll, idle):
+                if task is not None and not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
 
     async def aclose(self) -> None:
         await self.admission.aclose()

@@ -50,6 +50,7 @@ from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from buffer.trainer.client import RolloutBufferClient
 from buffer.trainer.client.errors import BufferClientError
 from buffer.trainer.samples import SampleConverter
+from buffer.trainer.sglang_router import engine_urls
 from buffer.trainer.slime_eval import eval_output, eval_sets, sampling_params, template_kwargs
 from buffer.trainer.slime_samples import (
     Converted,
@@ -443,10 +444,18 @@ def _policy_step(args: Any, rollout_id: int, session: _Session) -> None:
 
 
 def _pause_after_step(args: Any, session: _Session) -> None:
+    """Pause generation (``rollout_buffer_pause``); in ``abort`` mode the engines behind slime's
+    router are named, so the buffer has them abort what is in flight (the router forwards no
+    pause: ``buffer.trainer.sglang_router``)."""
     mode = getattr(args, "rollout_buffer_pause", None)
-    if mode:
+    if not mode:
+        return
+    if mode == "abort":
+        router = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
+        session.client.pause_generation(mode, engine_urls=engine_urls(router))
+    else:
         session.client.pause_generation(mode)
-        session.paused = True
+    session.paused = True
 
 
 def _train(args: Any, rollout_id: int, data_source: Any, session: _Session) -> Any:

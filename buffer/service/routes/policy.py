@@ -6,9 +6,12 @@ starts) and, in ``abort`` mode, asks the engines named in ``engine_urls`` to abo
 flight, each in its own words (``buffer.service.engine_pause``: SGLang's ``/pause_generation``,
 vLLM's ``/pause?mode=abort``): the toolkit continues those replies from their tokens after
 ``POST /policy/resume``, which lets the engines go on. The pause answers once nothing is in
-flight (or after ``timeout_s``). An engine that refuses or cannot be reached makes the answer
-a 409 naming it, never ``drained: true``; the gate stays closed until the resume. The engine
-URLs are checked as a job's are (http(s), ``--allowed-engine-hosts``): a 422 otherwise.
+flight (or after ``timeout_s``): nothing past the service's own gate, and every worker (a
+generator in a worker process or elsewhere, mirroring the gate through ``GET /policy/watch``)
+has said its gate is closed for this pause with nothing past it; ``in_flight`` counts them all.
+An engine that refuses or cannot be reached makes the answer a 409 naming it, never ``drained:
+true``; the gate stays closed until the resume. The engine URLs are checked as a job's are
+(http(s), ``--allowed-engine-hosts``): a 422 otherwise.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import asyncio
 import logging
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, Depends, Query
+from fastapi import APIRouter, Body, Depends, Query, Request
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
@@ -117,12 +120,13 @@ async def pause(
         answers = await _tell(policy, "pause")
     failed = [answer for answer in answers if not answer.ok]
     # Engines that were not told keep generating: nothing drains them, so the answer is at once.
-    drained = False if failed else await policy.gate.drained(body.timeout_s)
+    drained = False if failed else await policy.drained(body.timeout_s)
     state = {
         **_state(policy),
         "mode": body.mode,
         "drained": drained,
-        "in_flight": policy.gate.in_flight,
+        "in_flight": policy.in_flight(),
+        "unpaused_workers": policy.unpaused_workers(),
         "engines": {answer.url: answer.detail for answer in answers},
     }
     if failed:
@@ -170,22 +174,47 @@ def _state(policy: Policy) -> dict[str, Any]:
 
 @router.get("/policy/watch")
 async def watch(
+    request: Request,
     policy: Annotated[Policy, Depends(_policy)],
     version: int | None = None,
     paused: bool = False,
     wait_s: Annotated[float, Query(ge=0, le=60)] = 30.0,
+    pause: int | None = None,
+    worker: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
+    in_flight: Annotated[int, Query(ge=0)] = 0,
+    report: int = 0,
 ) -> Response:
-    """The version and pause state once they differ from ``version`` and ``paused`` (or after
-    ``wait_s``): a generator elsewhere long-polls this to mirror the gate."""
-    deadline = asyncio.get_running_loop().time() + wait_s
+    """The version and pause state once they differ from ``version``, ``paused`` and ``pause``
+    (the number of the last pause, in ``pause``), or after ``wait_s``: a generator elsewhere
+    long-polls this to mirror the gate. A ``worker`` (a name of its own) says at each watch
+    what its gate holds: ``in_flight`` engine requests past it, closed for pause ``pause`` when
+    ``paused`` (``report`` counts its watches, so an overtaken one is ignored); the pause's
+    drain waits for it while it watches, and ``WORKER_GRACE_S`` after its watch ends."""
+    if worker is not None:
+        policy.watch_begins(worker, report, pause if paused else None, in_flight)
+    try:
+        return await _watch(request, policy, version, paused, wait_s, pause)
+    finally:
+        if worker is not None:
+            policy.watch_ends(worker)
+
+
+async def _watch(
+    request: Request, policy: Policy, version: int | None, paused: bool, wait_s: float, pause: int | None
+) -> Response:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
     while True:
         ticket = policy.changed.ticket()
         state = policy.state()
-        left = deadline - asyncio.get_running_loop().time()
-        if state != {"version": version, "paused": paused} or left <= 0:
+        left = deadline - loop.time()
+        moved = pause is not None and pause != policy.pauses
+        if moved or state != {"version": version, "paused": paused} or left <= 0:
             ticket.cancel()
+            return envelope(True, "Policy", {**state, "pause": policy.pauses})
+        await ticket.wait(min(left, 1.0))
+        if await request.is_disconnected():  # a worker gone: its watch ends now, not at wait_s
             return envelope(True, "Policy", state)
-        await ticket.wait(left)
 
 
 class AdmitRequest(BaseModel):
