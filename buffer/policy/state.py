@@ -153,6 +153,27 @@ class Policy:
                 state.pause == self.pauses and state.in_flight == 0 for state in self._live_workers().values()
             )
 
+    def _workers_closed(self) -> bool:
+        with self._lock:
+            return all(state.pause == self.pauses for state in self._live_workers().values())
+
+    async def closed(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every live worker to say its gate is closed for this
+        pause, whatever it still has in flight. An abort waits for this: a request an engine
+        aborts before the worker's gate is closed is continued at once and sent to the paused
+        engine, where it stays in flight until the resume."""
+        deadline = self._clock() + timeout_s
+        while True:
+            ticket = self.reported.ticket()
+            if self._workers_closed():
+                ticket.cancel()
+                return True
+            left = deadline - self._clock()
+            if left <= 0:
+                ticket.cancel()
+                return False
+            await ticket.wait(min(left, 1.0))
+
     async def drained(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for no engine request in flight: none past the service's own
         gate, and every live worker has said its gate is closed for this pause with none past

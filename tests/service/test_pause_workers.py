@@ -146,3 +146,17 @@ async def test_a_worker_holds_the_drain_until_it_reports_and_a_gone_one_only_for
     assert await policy.drained(0)  # its count went with it
     assert policy.in_flight() == 0
     assert policy.snapshot()["workers"] == {}
+
+
+@pytest.mark.anyio
+async def test_an_abort_waits_for_every_workers_gate_to_close_before_the_engines_abort() -> None:
+    """A request an engine aborts before its worker's gate is closed is continued at once, into
+    the paused engine, where it stays until the resume: the pause would never drain (it waited
+    its whole timeout in bench/async_rl.py). ``closed`` is what the abort waits for first."""
+    policy = Policy()
+    policy.watch_begins("w1", 1, None, 3)  # watching, its gate open, 3 requests out
+    policy.pause("abort")
+    assert not await policy.closed(0)
+    policy.watch_begins("w1", 2, policy.pauses, 3)  # closed now, whatever is still out
+    assert await policy.closed(0)
+    assert not await policy.drained(0)

@@ -117,6 +117,9 @@ async def pause(
         policy.engine_kind = body.engine
     answers: list[EngineAnswer] = []
     if body.mode == "abort":
+        # Workers' gates closed first: what the engines abort is then held there until the
+        # resume, not continued at once into the paused engines.
+        await policy.closed(body.timeout_s)
         answers = await _tell(policy, "pause")
     failed = [answer for answer in answers if not answer.ok]
     # Engines that were not told keep generating: nothing drains them, so the answer is at once.
