@@ -5,7 +5,6 @@ refused up front with the reason, never ignored."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,17 +14,14 @@ from typing import Any
 
 import pytest
 
-from tests.support.paths import REPO, SLIME_STUB
+from tests.support import slime_runtime
+from tests.support.paths import SLIME_STUB
 
 sys.path.insert(0, str(SLIME_STUB))
 
 from buffer.toolkit.dataset import DatasetError, read_rows
 from buffer.toolkit.runner import RolloutSettings
 from buffer.trainer import slime_rollout
-
-THIRD_PARTY = Path("/work/shared/third_party")
-SLIME_ROOT = THIRD_PARTY / "slime-624b824a8"
-MEGATRON_ROOT = THIRD_PARTY / "megatron-lm-1dcf0da-slime-patched"
 
 COMMAND_LINE = [
     "--rollout-buffer-url", "http://127.0.0.1:8889",
@@ -121,17 +117,6 @@ def test_the_hook_refuses_a_pause_mode_the_buffer_does_not_know() -> None:
         )
 
 
-def _slime_runtime_missing() -> str | None:
-    if not SLIME_ROOT.is_dir() or not MEGATRON_ROOT.is_dir():
-        return f"slime's code is not at {THIRD_PARTY}"
-    missing = [
-        name for name in ("torch", "sglang", "sglang_router", "ray") if importlib.util.find_spec(name) is None
-    ]
-    if missing:
-        return f"slime's runtime is not installed here ({', '.join(missing)}; see {THIRD_PARTY}/README.md)"
-    return None
-
-
 PARSE = """
 import sys
 from slime.utils.arguments import parse_args
@@ -141,8 +126,8 @@ print(args.rollout_buffer_pause, args.rollout_buffer_max_staleness, args.rollout
 """
 
 
-@pytest.mark.skipif(_slime_runtime_missing() is not None, reason=_slime_runtime_missing() or "")
 def test_slimes_own_parse_args_takes_the_adapters_flags(tmp_path: Path) -> None:
+    python, folder = slime_runtime.require()
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1?", "label": "2"}\n')
     argv = [
@@ -158,9 +143,9 @@ def test_slimes_own_parse_args_takes_the_adapters_flags(tmp_path: Path) -> None:
         "--global-batch-size", "8",
         *COMMAND_LINE,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SLIME_ROOT), str(MEGATRON_ROOT), str(REPO)])}
+    env = {**os.environ, "PYTHONPATH": slime_runtime.pythonpath(folder), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", PARSE, *argv],
+        [str(python), "-c", PARSE, *argv],
         env=env,
         capture_output=True,
         text=True,
@@ -174,9 +159,10 @@ def test_slimes_own_parse_args_takes_the_adapters_flags(tmp_path: Path) -> None:
 def test_slime_registers_none_of_the_adapters_flags() -> None:
     """``add_custom_arguments`` runs before slime adds its own: a flag of the same name would make
     slime's parser fail on the conflict."""
-    source = SLIME_ROOT / "slime" / "utils" / "arguments.py"
-    if not source.is_file():
-        pytest.skip(f"slime's code is not at {THIRD_PARTY}")
+    folder = slime_runtime.third_party()
+    if folder is None:
+        pytest.skip("slime's code is not in ../shared/third_party (or ROLLOUT_BUFFER_THIRD_PARTY)")
+    source = folder / slime_runtime.SLIME / "slime" / "utils" / "arguments.py"
     text = source.read_text()
     parser = slime_rollout.add_arguments(argparse.ArgumentParser())
     ours = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--r")]
