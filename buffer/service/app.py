@@ -49,6 +49,8 @@ from buffer.service.security import (
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
     BrowserGuardMiddleware,
+    HostGuardMiddleware,
+    host_rule,
     required_key,
     warn_if_exposed,
 )
@@ -143,6 +145,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(module.router)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(BrowserGuardMiddleware, allowed_origins=settings.allowed_origins)
+    if (hosts := host_rule(settings)) is not None:
+        app.add_middleware(HostGuardMiddleware, rule=hosts)
     if (key := required_key(settings)) is not None:  # no key: no middleware, no cost
         app.add_middleware(ApiKeyMiddleware, api_key=key)
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so a 401 or 413 has an id too

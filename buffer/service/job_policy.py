@@ -5,7 +5,8 @@ machine and with its network; ``JobPolicy.check`` refuses, with a 422 naming the
 the operator did not allow:
 
 - ``input_file`` must lie under one of the ``input_roots`` (by default the generator folder's
-  ``data`` and the service's working folder), symbolic links resolved, and be a regular file
+  ``data`` and the service's working folder, unless that is ``/``, a home or a system folder:
+  ``buffer.paths.too_broad``), symbolic links resolved, and be a regular file
   if it exists: no ``/etc/...`` read back through an evaluation rollout, no ``/dev/zero`` read
   until memory runs out. The job gets the resolved path (one that does not exist yet is
   passed on: the generator reports it, or has a use of its own for the name).
@@ -50,11 +51,8 @@ class JobPolicy:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> JobPolicy:
-        roots = settings.input_roots
-        if roots is None:
-            roots = [settings.generator_dir / "data", Path.cwd()]
         policy = cls(
-            tuple(Path(root).resolve() for root in roots),
+            tuple(Path(root).resolve() for root in settings.input_folders()),
             _hosts(settings.allowed_engine_hosts) if settings.allowed_engine_hosts is not None else None,
             _hosts(settings.send_api_key_to),
         )

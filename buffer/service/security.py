@@ -5,8 +5,10 @@ In: ``ApiKeyMiddleware`` asks every request but ``GET /`` and ``GET /health`` fo
 the dashboard); ``BrowserGuardMiddleware`` refuses a POST from another web origin (403) and a
 body not sent as JSON (415), so a page the operator visits cannot write to or drain the buffer
 with a "simple" cross-origin request, key or no key; ``BodySizeLimitMiddleware`` refuses a body
-larger than ``max_request_bytes`` with a 413 before the route sees it. All are pure ASGI: they
-run on every write.
+larger than ``max_request_bytes`` with a 413 before the route sees it; ``HostGuardMiddleware``
+answers 421 to a ``Host`` the service does not answer to (``--allowed-hosts``), so a page whose
+name is made to resolve to this machine (DNS rebinding) cannot talk to it as its own origin. All
+are pure ASGI: they run on every write.
 
 Out: no traceback reaches a client; the API names where an error happened instead
 (``buffer.core.registry.where``) and the log keeps the whole traceback. Unexpected errors are a bare
@@ -20,6 +22,8 @@ import binascii
 import hmac
 import ipaddress
 import logging
+import socket
+from dataclasses import dataclass
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -210,6 +214,99 @@ def _is_json(content_type: bytes | None) -> bool:
     return media_type == b"application/json" or (
         media_type.startswith(b"application/") and media_type.endswith(b"+json")
     )
+
+
+# -- the Host header --------------------------------------------------------------------
+
+#: Names only this machine answers to: no page elsewhere is ever served under one of them.
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+#: ``--host`` values that listen on every interface.
+EVERY_INTERFACE = frozenset({"", "0.0.0.0", "::"})
+#: Headers only a browser sends: a page's request carries one of them.
+BROWSER_MARKERS = frozenset({b"origin", b"sec-fetch-site"})
+
+
+@dataclass(frozen=True, slots=True)
+class HostRule:
+    """The names (lower case, no port, no brackets) the service answers to, loopback names
+    always among them. ``browsers_only``: a request without browser markers passes whatever its
+    ``Host``, and a browser's may name an IP address or a name without a dot too: DNS rebinding
+    needs a name with a dot in its attacker's DNS; the machine's clients name it as they like."""
+
+    names: frozenset[str]
+    browsers_only: bool = False
+
+    def allows(self, host: str) -> bool:
+        if host in self.names or is_loopback(host):
+            return True
+        return self.browsers_only and ("." not in host or _is_address(host))
+
+
+def host_rule(settings: Settings) -> HostRule | None:
+    """The ``Host`` check the settings ask for; None: any host (an API key already authenticates)."""
+    if settings.allowed_hosts is not None:
+        names = host_names(settings.allowed_hosts)
+        return None if "*" in names else HostRule(names | LOOPBACK_NAMES)
+    if required_key(settings) is not None:
+        return None
+    if settings.host in EVERY_INTERFACE:  # slime's users reach it by the machine's name
+        return HostRule(LOOPBACK_NAMES | host_names([socket.gethostname()]), browsers_only=True)
+    return HostRule(LOOPBACK_NAMES | host_names([settings.host]))
+
+
+def host_names(entries: list[str]) -> frozenset[str]:
+    return frozenset(name for entry in entries if (name := host_name(entry)))
+
+
+def host_name(host: str) -> str:
+    """``Host``'s name: lower case, without its port, brackets or trailing dot."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    return host.rstrip(".")
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class HostGuardMiddleware:
+    """Answers 421 (a websocket: closes it) to a request whose ``Host`` is not one the service
+    answers to (``HostRule``). A request with no ``Host`` passes: no browser sends one so."""
+
+    def __init__(self, app: ASGIApp, rule: HostRule) -> None:
+        self.app = app
+        self.rule = rule
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        host = None
+        marked = False
+        for name, value in scope["headers"]:
+            if name == b"host":
+                host = value.decode("latin-1")
+            elif name in BROWSER_MARKERS:
+                marked = True
+        if host is None or (self.rule.browsers_only and not marked) or self.rule.allows(host_name(host)):
+            await self.app(scope, receive, send)
+            return
+        problem = (
+            f"this service does not answer to the host {host[:200]!r}: if that name is this "
+            "service's, add it to --allowed-hosts (ROLLOUT_BUFFER_ALLOWED_HOSTS)"
+        )
+        logger.info("refused %s %s: %s", scope.get("method", "websocket"), scope["path"], problem)
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": problem[:120]})
+        else:
+            await envelope(False, problem, status_code=421)(scope, receive, send)
 
 
 # -- the request size -------------------------------------------------------------------

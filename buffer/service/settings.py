@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Literal
 
@@ -11,6 +12,8 @@ from pydantic_settings import BaseSettings, CliImplicitFlag, SettingsConfigDict
 from buffer import paths
 from buffer.core.task import TaskSettings
 from buffer.logs import LogFormat
+
+logger = logging.getLogger(__name__)
 
 #: A century: longer is no retention policy, and past what a date can hold (``inf`` least of all).
 MAX_RETENTION_HOURS = 100 * 365 * 24
@@ -107,6 +110,13 @@ class Settings(BaseSettings):
         description="web origins (https://host:port, or * for any) whose pages may POST to the service; "
         "by default a browser request from another origin gets 403",
     )
+    allowed_hosts: list[str] | None = Field(
+        None,
+        description="host names (the Host header) the service answers to, or * for any; others get "
+        "421, which stops DNS rebinding; loopback names are always allowed. Default: with an API key, "
+        "any; listening on 0.0.0.0 or ::, any for clients, and for browsers this machine's name, "
+        "names without a dot and IP addresses; else --host",
+    )
     max_header_bytes: int = Field(
         64 * 2**10, ge=1024, description="a request whose line and headers are larger than this gets 431"
     )
@@ -130,7 +140,8 @@ class Settings(BaseSettings):
     input_roots: list[Path] | None = Field(
         None,
         description="folders a /start_rollout input_file may lie in (default: the generator folder's "
-        "data and the working folder); anything else, or a device file, gets 422",
+        "data and the working folder, unless that is /, a home or a system folder); anything else, "
+        "or a device file, gets 422",
     )
     allowed_engine_hosts: list[str] | None = Field(
         None,
@@ -171,3 +182,22 @@ class Settings(BaseSettings):
 
     def default_task_settings(self) -> TaskSettings:
         return TaskSettings(group_size=self.group_size, group_timeout_s=self.group_timeout_seconds)
+
+    def input_folders(self) -> list[Path]:
+        """``input_roots``, or by default the generator folder's ``data`` and the working folder,
+        the latter left out (with a warning) when it is too broad a folder to read from."""
+        if self.input_roots is not None:
+            return list(self.input_roots)  # the operator's choice, even /
+        roots = [self.generator_dir / "data"]
+        cwd = Path.cwd().resolve()
+        if paths.too_broad(cwd):
+            logger.warning(
+                "the working folder %s is not an input root (it is /, a home or a system folder): "
+                "/start_rollout input files must lie in %s; name the folders they may lie in with "
+                "--input-roots",
+                cwd,
+                roots[0],
+            )
+        else:
+            roots.append(cwd)
+        return roots

@@ -74,7 +74,11 @@ def _sometimes_the_real_job(
 @pytest.fixture
 def app(generator_dir: Path) -> FastAPI:
     write_generator(generator_dir, "fuzz_generator.py", FUZZ_GENERATOR)
-    app = create_app(Settings(generator_dir=generator_dir, host="127.0.0.1", port=8889, group_size=2))
+    # schemathesis's client names the host testserver: a service on 127.0.0.1 answers to it only so.
+    hosts = ["testserver"]
+    app = create_app(
+        Settings(generator_dir=generator_dir, host="127.0.0.1", port=8889, group_size=2, allowed_hosts=hosts)
+    )
     call = _caller(app)
     assert call("POST", "/start_rollout", {"task_type": "fuzz"}).json()["job_id"] == SEEDED_JOB
     for instance_id in range(5):
