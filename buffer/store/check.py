@@ -7,6 +7,11 @@ that no longer apply, and writes a new database whose snapshot is the state repl
 every export row it could read. The damaged files are kept as ``buffer.sqlite3.damaged``.
 It says exactly what was dropped: each unreadable row by table and id, and each event that
 could not be replayed, with its kind, task and instance.
+
+A write-ahead log that stops verifying before its end (``wal``) or a database that ends before
+the commit count kept beside it (``commits``) lost acknowledged commits that SQLite dropped
+silently; the check names them as problems, and ``--repair`` accepts the loss (logs it), keeps
+the damaged files and starts the count afresh from the rebuilt database.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import orjson
 
 from buffer.core.records import Event
 from buffer.core.rollout_buffer import RolloutBuffer
+from buffer.store import commits, wal
 from buffer.store.schema import DATABASE, DELIVERED, JournalCorrupt, connect, lock_folder
-from buffer.store.sqlite import Journal
+from buffer.store.sqlite import Journal, last_event
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +124,8 @@ def check(directory: Path, *, repair: bool = False) -> Report:
         return report
     lock = lock_folder(directory / "LOCK")
     try:
+        damage = wal.check(database.with_name(database.name + "-wal"))  # before SQLite reads it
+        recorded = commits.read(commits.path_for(database))
         db = connect(database, readonly=True)
         try:
             try:
@@ -126,6 +134,12 @@ def check(directory: Path, *, repair: bool = False) -> Report:
                 report.problems = [str(exc)]
             if report.problems == ["ok"]:
                 report.problems = []
+            if damage is not None:
+                report.problems.append(str(damage))
+            with contextlib.suppress(sqlite3.DatabaseError):
+                lost = commits.lost_commits(database, recorded, last_event(db))
+                if lost is not None:
+                    report.problems.append(lost)
             buffer = RolloutBuffer()
             events: list[Event] = []
             for table in ("snapshot", "events"):
@@ -149,6 +163,8 @@ def check(directory: Path, *, repair: bool = False) -> Report:
         report.events, report.exports = len(events), len(exports)
         if repair and not report.ok:
             _rebuild(directory, events, [row[1:] for row in exports])
+            for problem in report.problems:
+                logger.warning("%s: repaired, accepting the loss: %s", database, problem)
             report.repaired = True
     finally:
         lock.close()
@@ -178,11 +194,13 @@ def _rebuild(directory: Path, events: list[Event], exports: list[tuple[Any, ...]
     finally:
         journal.close()
     database = directory / DATABASE
-    for suffix in ("", "-wal", "-shm"):
+    count = commits.path_for(database)
+    for suffix in ("", "-wal", "-shm", count.name.removeprefix(database.name)):
         damaged = database.with_name(database.name + suffix)
         if damaged.exists():
             damaged.rename(database.with_name(f"{database.name}.damaged{suffix}"))
     (staging / DATABASE).rename(database)
+    (staging / count.name).rename(count)  # the rebuilt database's own count
     with contextlib.suppress(OSError):
         shutil.rmtree(staging)
     logger.info("%s: rebuilt from what could be read", database)

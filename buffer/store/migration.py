@@ -14,12 +14,17 @@ from scratch or finds the migration done and finishes the renaming.
 A torn record at the end of the last segment (a write a crash cut short, never acknowledged)
 is left out, as the old journal did; a bad record anywhere else stops the start-up, naming the
 file and offset, rather than silently lose what follows it.
+
+And once, a database made before the journal gave free space back (``auto_vacuum`` off) is
+rewritten with ``auto_vacuum=INCREMENTAL`` by a VACUUM (``reclaim_space``).
 """
 
 from __future__ import annotations
 
 import logging
+import sqlite3
 import struct
+import time
 import zlib
 from pathlib import Path
 
@@ -31,6 +36,7 @@ from buffer.store.schema import DELIVERED, SCHEMA, JournalCorrupt, connect
 logger = logging.getLogger(__name__)
 
 _FRAME = struct.Struct("<II")
+_INCREMENTAL = 2  # PRAGMA auto_vacuum
 _PREFIX = b'{"delivered_at":'
 _TRAJECTORY = b',"trajectory":'
 
@@ -130,4 +136,30 @@ def migrate(directory: Path, database: Path) -> bool:
             logger.warning(
                 "%s: kept the former files as %s; delete them when you no longer need them", directory, aside
             )
+    return True
+
+
+def reclaim_space(db: sqlite3.Connection, database: Path) -> bool:
+    """Turn on ``auto_vacuum=INCREMENTAL`` in a database made before it was (the journal gives
+    the pages a compaction frees back to the file system; without it the file stays at its
+    largest). That takes one VACUUM, which rewrites the file (it needs as much free space
+    again, and time: about a second per few hundred MB); True if it did. A VACUUM that fails
+    (a full disk) leaves the database as it was, and the start-up goes on without it."""
+    if db.execute("PRAGMA auto_vacuum").fetchone()[0] == _INCREMENTAL:
+        return False
+    started = time.monotonic()
+    size = database.stat().st_size
+    logger.warning("%s: rewriting the database once to give free space back (%.1f MB)", database, size / 1e6)
+    try:
+        db.execute("PRAGMA auto_vacuum = INCREMENTAL")
+        db.execute("VACUUM")
+    except sqlite3.OperationalError as exc:
+        logger.warning("%s: cannot rewrite the database (%s); free space is not given back", database, exc)
+        return False
+    logger.warning(
+        "%s: rewritten in %.1f s: %.1f MB now",
+        database,
+        time.monotonic() - started,
+        database.stat().st_size / 1e6,
+    )
     return True

@@ -7,6 +7,7 @@
         snapshot(id, header, payload)    the whole state as of the events it replaced
         delivered(id, read_id, delivered_at, task_type, instance_id, trajectory)   the export
         meta(key, value)                 the format, the last event id, what the snapshot covers
+      buffer.sqlite3-commits  the last event id committed, checked at start-up (``commits``)
 
 What the journal (``sqlite``), the migration of the former journal files (``migration``) and
 ``rollout-buffer check`` (``check``) share, so that none of them imports another for it.
@@ -66,6 +67,8 @@ def connect(path: Path, *, sync: bool = True, readonly: bool = False) -> sqlite3
     connection.execute("PRAGMA busy_timeout = 60000")
     if not readonly:
         connection.execute(f"PRAGMA page_size = {PAGE_SIZE}")  # a new database only
+        # a new database only; an older one is VACUUMed into it once (migration.reclaim_space)
+        connection.execute("PRAGMA auto_vacuum = INCREMENTAL")
         connection.execute("PRAGMA journal_mode = WAL")
         connection.execute(f"PRAGMA synchronous = {'FULL' if sync else 'NORMAL'}")
         connection.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT_BYTES}")  # after a big compaction

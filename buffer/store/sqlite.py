@@ -51,7 +51,7 @@ import orjson
 
 from buffer.core.records import NOTHING, Event, ExportRow, Snapshotter, split
 from buffer.errors import StorageFailed
-from buffer.store import migration
+from buffer.store import commits, migration, wal
 from buffer.store.base import Counters, Store
 from buffer.store.schema import (
     DATABASE,
@@ -70,6 +70,11 @@ logger = logging.getLogger(__name__)
 #: How long the writer waits before it tries a failed commit again.
 RETRY_INTERVAL_S = 1.0
 _STAGING_ROWS = 2000
+#: Free pages a database keeps between compactions (the export's retention frees some each
+#: minute; they are reused by the next writes).
+_FREE_BYTES_KEPT = 64 * 2**20
+#: Free space given back after one commit, at most: the writer is held a moment, not a minute.
+_RECLAIM_BYTES_PER_COMMIT = 64 * 2**20
 #: Export rows read per query: the writer is never held back by a slow export client.
 _EXPORT_PAGE_ROWS = 2000
 
@@ -118,6 +123,7 @@ class Journal(Store):
         directory.mkdir(parents=True, exist_ok=True)
         self._lock_file = lock_folder(directory / "LOCK")
         self._db: sqlite3.Connection | None = None
+        self._count: commits.CommitCount | None = None
         self._cv = threading.Condition(threading.Lock())
         self._buffer_lock: AbstractContextManager[Any] = threading.RLock()
         self._pending: list[_Entry] = []
@@ -135,6 +141,7 @@ class Journal(Store):
         self._compacting: threading.Thread | None = None
         self._install_pending = False  # a compaction staged or queued, not yet installed
         self._no_compaction = False
+        self._keep_free: int | None = None  # free pages to give back down to, a slice a commit
         self._next_retention_check = 0.0
         self.bytes_written = 0
         self.commits = 0
@@ -146,6 +153,7 @@ class Journal(Store):
     def recover(self) -> Iterator[Event]:
         """The events to restore the buffer from: the snapshot, then every event after it.
         Migrates a folder of the former journal files first. Call once, before ``start``."""
+        self._check_log()
         migration.migrate(self.directory, self.database)
         try:
             self._db = connect(self.database, sync=self.sync)
@@ -154,10 +162,12 @@ class Journal(Store):
                 raise JournalCorrupt(f"{self.database}: {'; '.join(problems[:5])}{self._repair_hint}")
             self._db.executescript(SCHEMA)
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (str(FORMAT_VERSION),))
-            last = self._db.execute("SELECT max(id) FROM events").fetchone()[0]
+            migration.reclaim_space(self._db, self.database)
+            last = last_event(self._db)
         except sqlite3.DatabaseError as exc:
             raise JournalCorrupt(f"{self.database}: {exc}{self._repair_hint}") from exc
-        self._appended = self._durable = last or 0
+        self._appended = self._durable = last
+        self._count = commits.CommitCount(commits.path_for(self.database), last)
         for table in ("snapshot", "events"):
             for event_id, header, payload in self._rows(table):
                 size = len(header) + len(payload)
@@ -170,6 +180,29 @@ class Journal(Store):
                 except orjson.JSONDecodeError as exc:
                     message = f"{self.database}: {table} row {event_id}: {exc}{self._repair_hint}"
                     raise JournalCorrupt(message) from exc
+
+    def _check_log(self) -> None:
+        """Stop the start-up if SQLite would silently drop acknowledged commits: the WAL's
+        frames are checked before SQLite opens it (``wal``), then the database's last event
+        against the count kept beside it (``commits``), from a read-only connection, which
+        leaves the WAL as it found it."""
+        damage = wal.check(self.database.with_name(self.database.name + "-wal"))
+        if damage is not None:
+            raise JournalCorrupt(f"{damage}{self._repair_hint}")
+        recorded = commits.read(commits.path_for(self.database))
+        if recorded is None or not self.database.exists():
+            return
+        try:
+            db = connect(self.database, readonly=True)
+            try:
+                last = last_event(db)
+            finally:
+                db.close()
+        except sqlite3.DatabaseError:
+            return  # a damaged database: quick_check says how
+        lost = commits.lost_commits(self.database, recorded, last)
+        if lost is not None:
+            raise JournalCorrupt(f"{lost}{self._repair_hint}")
 
     @property
     def _repair_hint(self) -> str:
@@ -317,15 +350,42 @@ class Journal(Store):
             if db.in_transaction:
                 db.rollback()
             raise
+        self._record(first + len(batch) - 1)
         if time.monotonic() >= self._next_retention_check:
             self._next_retention_check = time.monotonic() + 60.0
+            if self._keep_free is None:  # what the export's retention freed, beyond a margin
+                self._keep_free = _FREE_BYTES_KEPT
         self.bytes_written += size
         if any(installed):
             self._since_snapshot, self._snapshot_bytes = installed_sizes(db), installs[-1].rows
             self.compactions += 1
+            self._keep_free = 0  # the old snapshot's pages and the replaced events'
         else:
             self._since_snapshot += size
         self.commits += 1
+        if self._keep_free is not None:
+            self._reclaim(db, self._keep_free)
+
+    def _reclaim(self, db: sqlite3.Connection, keep_bytes: int) -> None:
+        """Give back a slice of the free pages after a commit, until ``keep_bytes`` are left:
+        the writer is held for one slice at a time, never for the whole file."""
+        try:
+            more = reclaim(db, self.database, keep_bytes, _RECLAIM_BYTES_PER_COMMIT)
+        except sqlite3.Error as exc:  # the commit is kept: the space waits for the next try
+            more = False
+            logger.warning("%s: cannot give free pages back: %s", self.database, exc)
+        self._keep_free = keep_bytes if more else None
+
+    def _record(self, last: int) -> None:
+        """Note the commit beside the database (``commits``), before it is acknowledged. The
+        commit is kept whatever happens here: a failure leaves the count behind, which checks
+        less, and is logged."""
+        if self._count is None:
+            return
+        try:
+            self._count.record(last)
+        except OSError as exc:
+            logger.warning("%s: cannot record the commit count (%s); not checked", self._count.path, exc)
 
     def _install(self, db: sqlite3.Connection, install: _Install) -> bool:
         """Replace the snapshot with the staged one and delete the events it covers."""
@@ -529,6 +589,10 @@ class Journal(Store):
                     self._db.rollback()
                 self._db.close()
             self._db = None
+        if self._count is not None:
+            with contextlib.suppress(OSError):
+                self._count.close()
+            self._count = None
         self._lock_file.close()
         with self._cv:
             stopped = self._failure is None
@@ -540,6 +604,37 @@ class Journal(Store):
             for _, loop, future in waiters:
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(_settle, [future], StorageFailed(self._failure))  # type: ignore[arg-type]
+
+
+def last_event(db: sqlite3.Connection) -> int:
+    """The id of the last event committed: the events' ids are dense, and a compaction leaves
+    the event of its own installation."""
+    row = db.execute("SELECT max(id) FROM events").fetchone()
+    return int(row[0] or 0)
+
+
+def reclaim(db: sqlite3.Connection, database: Path, keep_bytes: int, at_most_bytes: int) -> bool:
+    """Give up to ``at_most_bytes`` of the database's free pages back to the file system
+    (``auto_vacuum=INCREMENTAL``: the file is truncated), keeping ``keep_bytes`` of them;
+    True if more than that is left. A compaction frees the old snapshot's pages and the
+    replaced events', and without this the file would stay at its largest forever."""
+    page_size = int(db.execute("PRAGMA page_size").fetchone()[0])
+    free = int(db.execute("PRAGMA freelist_count").fetchone()[0])
+    extra = free - keep_bytes // page_size
+    if extra <= 0:
+        return False
+    pages = min(extra, max(1, at_most_bytes // page_size))
+    started = time.monotonic()
+    # executescript steps the pragma to its end: execute would step it once, one page
+    db.executescript(f"PRAGMA incremental_vacuum({pages})")
+    left = int(db.execute("PRAGMA freelist_count").fetchone()[0])
+    logger.debug(
+        "%s: gave back %.1f MB of free pages in %.2f s",
+        database,
+        (free - left) * page_size / 1e6,
+        time.monotonic() - started,
+    )
+    return left < free and left > keep_bytes // page_size  # a database without auto_vacuum gives none
 
 
 def installed_sizes(db: sqlite3.Connection) -> int:
