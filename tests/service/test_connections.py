@@ -74,7 +74,7 @@ def health(address: tuple[str, int], timeout_s: float = 5.0) -> int:
 def test_headers_past_the_limit_get_431_and_the_connection_closes(server: Start) -> None:
     address = server("--max-header-bytes", "8192")
     with connect(address) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: buffer\r\nX-Padding: ")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: ")
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             for _ in range(64):  # 1 MiB, far past the limit, in pieces: never a whole header
                 sock.sendall(b"a" * 16384)
@@ -82,14 +82,14 @@ def test_headers_past_the_limit_get_431_and_the_connection_closes(server: Start)
     assert response.startswith(b"HTTP/1.1 431 "), response[:100]
     # Headers within the limit are served as ever.
     with connect(address) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: buffer\r\nX-Padding: " + b"a" * 4000 + b"\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: " + b"a" * 4000 + b"\r\n\r\n")
         assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
 
 
 def test_a_connection_that_does_not_finish_its_headers_in_time_is_closed(server: Start) -> None:
     address = server("--header-timeout-seconds", "1")
     with connect(address, timeout_s=10) as silent, connect(address, timeout_s=10) as slow:
-        slow.sendall(b"POST /buffer/write HTTP/1.1\r\nHost: buffer\r\n")
+        slow.sendall(b"POST /buffer/write HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         started = time.monotonic()
         for sock in (silent, slow):
             assert answer(sock) == b""
@@ -109,7 +109,7 @@ def test_slow_connections_past_the_descriptor_limit_do_not_lock_other_clients_ou
     try:
         for _ in range(200):
             sock = connect(address)
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: buffer\r\nX-Slow: ")
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
             slow.append(sock)
         assert health(address) == 200
         assert health(address) == 200
