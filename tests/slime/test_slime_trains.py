@@ -67,10 +67,9 @@ class Report:
         return [entry["metrics"][key] for entry in self.of("log") if key in entry["metrics"]]
 
 
-def _checkpoint(folder: Path) -> Path:
-    """Where ``--hf-checkpoint`` points: the simulator's tokenizer and a tiny Qwen3 config."""
-    tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(folder)
+def _model_config(folder: Path, vocab_size: int | None = None) -> None:
+    """A tiny Qwen3's config.json, as Megatron's flags above describe it."""
+    folder.mkdir(parents=True, exist_ok=True)
     config = {
         "model_type": "qwen3",
         "architectures": ["Qwen3ForCausalLM"],
@@ -80,10 +79,18 @@ def _checkpoint(folder: Path) -> Path:
         "tie_word_embeddings": False,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
-        "vocab_size": len(tokenizer) + 64,
         "max_position_embeddings": 1024,
     }
+    if vocab_size is not None:
+        config["vocab_size"] = vocab_size
     (folder / "config.json").write_text(json.dumps(config))
+
+
+def _checkpoint(folder: Path) -> Path:
+    """Where ``--hf-checkpoint`` points: the simulator's tokenizer and a tiny Qwen3 config."""
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(folder)
+    _model_config(folder, len(tokenizer) + 64)
     return folder
 
 
@@ -108,27 +115,29 @@ def run_slime(
     loop: str,
     simulator: list[str],
     argv: list[str],
+    checkpoint: Path | None = None,
+    service: tuple[str, ...] = (),
 ) -> Report:
     """slime's ``loop`` (train or train_async) over ``argv``, against a fresh simulator (with
-    ``simulator`` flags) behind a recording proxy and a fresh buffer."""
+    ``simulator`` flags) behind a recording proxy and a fresh buffer (with ``service`` flags)."""
     python, third_party = runtime
-    checkpoint = _checkpoint(folder / "checkpoint")
+    checkpoint = checkpoint or _checkpoint(folder / "checkpoint")
     (folder / "ref").mkdir()
     engine_port, buffer_port = free_port(), free_port()
     engine = [sys.executable, "-m", "buffer.simulator", "--host", "127.0.0.1", "--port", str(engine_port)]
     engine += ["--seed", "5", "--log-level", "warning", *simulator]
-    service = [sys.executable, "buffer.py", "--host", "127.0.0.1", "--port", str(buffer_port)]
-    service += ["--log-level", "warning", "--input-roots", str(folder), "--data-dir", str(folder / "data")]
+    command = [sys.executable, "buffer.py", "--host", "127.0.0.1", "--port", str(buffer_port)]
+    command += ["--log-level", "warning", "--input-roots", str(folder), "--data-dir", str(folder / "data")]
     with (
         started(engine, "simulator", folder / "simulator.log") as engine_process,
-        started(service, "buffer", folder / "buffer.log") as buffer_process,
+        started([*command, *service], "buffer", folder / "buffer.log") as buffer_process,
     ):
         wait_ready(f"http://127.0.0.1:{engine_port}/health", engine_process, 60, "simulator")
         wait_ready(f"http://127.0.0.1:{buffer_port}/health", buffer_process, 60, "buffer")
         proxy = RecordingProxy(f"http://127.0.0.1:{engine_port}")
         with proxy.serving() as engine_url:
             host, port = engine_url.removeprefix("http://").split(":")
-            command = [
+            slime_command = [
                 "--rollout-num-gpus", "0", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
                 "--rollout-function-path", "buffer.slime_rollout.generate_rollout",
                 "--hf-checkpoint", str(checkpoint), "--ref-load", str(folder / "ref"),
@@ -149,7 +158,14 @@ def run_slime(
             }
             with (folder / "slime.log").open("w") as log:
                 done = subprocess.run(
-                    [str(python), str(SUPPORT / "slime_side.py"), str(spec), str(report), "--", *command],
+                    [
+                        str(python),
+                        str(SUPPORT / "slime_side.py"),
+                        str(spec),
+                        str(report),
+                        "--",
+                        *slime_command,
+                    ],
                     cwd=third_party / SLIME,  # slime's train.py and train_async.py
                     env=env,
                     stdout=log,
@@ -338,3 +354,87 @@ def test_train_async_py_multi_turn_tools_under_aborts_with_a_pause_at_every_weig
 
 def _runs(mask: list[int]) -> int:
     return sum(1 for index, value in enumerate(mask) if value == 1 and (index == 0 or mask[index - 1] == 0))
+
+
+FIXTURE_GENERATOR = """
+import json
+
+from buffer.toolkit.sink import open_sink
+
+TASK_TYPE = "fixture"
+
+
+async def run_rollout(data):
+    \"\"\"Write the trajectories of the input file as they are: a test's fixed groups.\"\"\"
+    sink = await open_sink(data.get("remote_buffer_url"))
+    try:
+        with open(data["input_file"]) as rows:
+            for row in rows:
+                if row.strip():
+                    trajectory = json.loads(row)
+                    for field in ("prompt", "label"):  # the data set's, for slime's data source
+                        trajectory.pop(field)
+                    await sink.write(trajectory)
+    finally:
+        await sink.aclose()
+"""
+
+
+def test_images_and_a_refused_trajectory_reach_slimes_trainer_as_it_takes_them(
+    slime: tuple[Path, Path], folder: Path
+) -> None:
+    """A VLM's trajectories (LLaVA's processor on the checkpoint) and one the converter refuses,
+    through slime's own ``train.py``: the image sample reaches the trainer with the processor's
+    pixels for exactly the image tokens its prompt holds (``multimodal_train_inputs``),
+    the text one with none; the refused trajectory is a placeholder slime trains nothing of, its
+    reward kept in its group's normalisation."""
+    python, third_party = slime
+    _model_config(folder / "checkpoint")
+    prepared = folder / "prepared.jsonl"
+    done = subprocess.run(
+        [str(python), str(SUPPORT / "slime_side.py"), "prepare-vlm", str(folder), str(prepared)],
+        env={**os.environ, "PYTHONPATH": pythonpath(third_party), "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    [facts] = [json.loads(line) for line in prepared.read_text().splitlines()]
+    generators = folder / "generators"
+    generators.mkdir()
+    (generators / "fixture_generator.py").write_text(FIXTURE_GENERATOR)
+    report = run_slime(
+        slime,
+        folder,
+        loop="train",
+        simulator=[],
+        checkpoint=folder / "checkpoint",
+        service=("--generator-dir", str(generators)),
+        argv=[
+            "--rollout-task-type", "fixture", "--prompt-data", str(folder / "fixture.jsonl"),
+            "--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+            "--global-batch-size", "4", "--rollout-max-response-len", "64",
+            "--advantage-estimator", "grpo", "--log-passrate",
+        ],
+    )  # fmt: skip
+    [step] = report.of("train")
+    samples = step["samples"]
+    assert len(samples) == 4
+    pictures = [sample for sample in samples if facts["image_pad"] in sample["tokens"]]
+    assert len(pictures) == 2
+    for sample in pictures:
+        inputs = sample["multimodal"]
+        assert inputs is not None, "the image sample reached the trainer without its pixels"
+        assert sample["tokens"].count(facts["image_pad"]) == facts["image_tokens"] == 4
+        assert inputs == {"pixel_values": [1, 3, 28, 28]}  # the processor's pixels; no input_ids
+        assert sum(sample["loss_mask"]) == sample["response_length"] > 0
+    texts = [sample for sample in samples if sample not in pictures]
+    assert [sample["multimodal"] for sample in texts] == [None, None]
+    trained, placeholder = sorted(texts, key=lambda sample: -sum(sample["loss_mask"]))
+    assert sum(trained["loss_mask"]) == trained["response_length"] > 0
+    assert sum(placeholder["loss_mask"]) == 0  # refused: nothing of it is trained on
+    # the refused trajectory's reward (0) still counts in its group's baseline
+    assert sorted(step["raw_reward"]) == [0.0, 0.0, 1.0, 1.0]
+    assert_normalised_once([sample["reward"] for sample in samples], step["raw_reward"], 2)
+    assert report.logged("rollout_buffer/refused_samples") == [1.0]

@@ -125,6 +125,7 @@ class CpuTrainer:
                     if "rollout_log_probs" in data
                     else None
                 ),
+                "multimodal": _shapes((data.get("multimodal_train_inputs") or [None] * len(lengths))[index]),
                 "reward": float(data["rewards"][index]),
                 "advantage_first": float(data["advantages"][index][0]) if lengths[index] else None,
                 "truncated": int(data["truncated"][index]),
@@ -225,6 +226,95 @@ def setup_worker() -> None:
     logging_utils.log = log
 
 
+def _shapes(inputs: Any) -> dict[str, Any] | None:
+    """A sample's ``multimodal_train_inputs`` as the trainer got them: each tensor's shape, and
+    the image grids themselves."""
+    if inputs is None:
+        return None
+    shapes: dict[str, Any] = {}
+    for key, value in inputs.items():
+        tensor = torch.as_tensor(value)
+        shapes[key] = tensor.tolist() if key.endswith("grid_thw") else list(tensor.shape)
+    return shapes
+
+
+def prepare_vlm(folder: Path) -> None:
+    """A VLM checkpoint and a test's trajectories for it, built here (slime's runtime has the
+    image libraries): the simulator's tokenizer with LLaVA's image token, LLaVA's processor (a
+    CLIP image processor on PIL, 28-pixel crops in 14-pixel patches: 4 image tokens a picture),
+    the test's tiny text config; and ``fixture.jsonl``, groups of two trajectories as a
+    generator writes them (token records, raw rewards): one group asking about a picture, whose
+    prompt holds the image tokens the processor makes for it, and one with a trajectory the
+    converter refuses (no assistant message)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    from buffer.simulator.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
+    checkpoint = folder / "checkpoint"
+    processor.save_pretrained(checkpoint)  # tokenizer and processor; config.json is the test's
+    config = json.loads((checkpoint / "config.json").read_text())  # the test's text model
+    config["vocab_size"] = len(tokenizer) + 64
+    (checkpoint / "config.json").write_text(json.dumps(config))
+
+    picture = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 40, 3), dtype=np.uint8))
+    png = io.BytesIO()
+    picture.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    pad = int(processor.image_token_id)
+    pads = list(processor(text="<image>", images=[picture])["input_ids"][0]).count(pad)
+
+    def item(instance_id: str, k: int, raw: float, answer: str, picture_url: str | None) -> dict[str, Any]:
+        question = "What is in the picture?" if picture_url else "What is 2 + 2?"
+        content: Any = question
+        prompt = tokenizer.encode(question, add_special_tokens=False)
+        if picture_url:
+            content = [
+                {"type": "text", "text": question},
+                {"type": "image_url", "image_url": {"url": picture_url}},
+            ]
+            prompt = [*[pad] * pads, *prompt]
+        output = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
+        return {
+            "prompt": [{"role": "user", "content": content}],  # what slime's data source reads,
+            "label": answer,  # as slime's data sets have them
+            "instance_id": instance_id,
+            "uid": f"{instance_id}-{k}",
+            "messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}],
+            "reward": raw,
+            "extra_info": {
+                "prompt_token_ids": prompt,
+                "token_ids": output,
+                "logprobs": [-0.5] * len(output),
+            },
+        }
+
+    rows = [
+        item("picture", 0, 1.0, "A picture of noise.", url),
+        item("picture", 1, 0.0, "A cat.", url),
+        item("sum", 0, 1.0, "It is 4.", None),
+        item("sum", 1, 0.0, "It is 5.", None),
+    ]
+    rows[3]["messages"] = rows[3]["messages"][:1]  # nothing to train on: the converter refuses it
+    rows[3]["extra_info"] = {}
+    (folder / "fixture.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    _record("prepared", {"image_tokens": pads, "image_pad": pad})
+
+
 def _number(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.item() if value.numel() == 1 else value.tolist()
@@ -240,6 +330,10 @@ def _free_port() -> int:
 
 
 def main() -> None:
+    if sys.argv[1] == "prepare-vlm":  # python slime_side.py prepare-vlm FOLDER REPORT
+        os.environ["SLIME_SIDE_REPORT"] = str(Path(sys.argv[3]).resolve())
+        prepare_vlm(Path(sys.argv[2]))
+        return
     separator = sys.argv.index("--")
     spec = json.loads(Path(sys.argv[1]).read_text())
     report = Path(sys.argv[2]).resolve()
