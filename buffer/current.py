@@ -58,6 +58,10 @@ class JobContext:
     #: Hosts (lower case) a ``remote_buffer_url`` may name to be sent the service's own API key
     #: (``--send-api-key-to``); to any other, only a key the client gave itself.
     api_key_hosts: frozenset[str] = frozenset()
+    #: The service's own key, in a worker process (from its ``WorkerSpec``, never from its
+    #: environment): what its sinks, leases and policy mirror send to ``buffer_url`` and to
+    #: the ``api_key_hosts`` (``key_for``). None in the service's process and outside a job.
+    api_key: str | None = field(default=None, repr=False)
     #: The toolkit's counts, for ``GET /jobs/{id}`` (a worker process publishes them to a file).
     progress: dict[str, Any] = field(default_factory=dict)
     #: The service's lease board, for a generator running in the service's own process.
@@ -79,6 +83,24 @@ class JobContext:
     def may_send_api_key(self, url: str) -> bool:
         """Whether the service's own key may go to ``url`` (one of ``api_key_hosts``)."""
         return (urlsplit(url).hostname or "").lower() in self.api_key_hosts
+
+    def key_for(self, url: str) -> str | None:
+        """The service's own key when ``url`` is this job's buffer (its address as the service
+        gave it) or names one of ``api_key_hosts``; None for any other address."""
+        if self.api_key is None:
+            return None
+        if self.buffer_url is not None and _origin(url) == _origin(self.buffer_url):
+            return self.api_key
+        return self.api_key if self.may_send_api_key(url) else None
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return parts.scheme.lower(), (parts.hostname or "").lower(), port
 
 
 _current: contextvars.ContextVar[JobContext | None] = contextvars.ContextVar("current_job", default=None)

@@ -2,11 +2,20 @@
 
 The service starts a generator job for a task (``/start_rollout``); the ledger remembers what
 started it (``job``), that it ended (``job_end``), that a clean shutdown paused it
-(``job_pause``) and how many times in a row it was running when the service died
-(``job_resume``), each as a record kept with the buffer's own. While a job runs, its task
-counts the groups of each instance that finish (``TaskBuffer.start_job_count``), so a job
-resumed after a restart is told what it already made (``resume_point``) and makes only the
-rest. ``RolloutBuffer`` calls it under its lock, and replays its records through ``apply``.
+(``job_pause``) and how many times in a row it was running when the service died without
+progress since its last start (``job_resume``), each as a record kept with the buffer's own.
+While a job runs, its task counts the groups of each instance that finish
+(``TaskBuffer.start_job_count``), so a job resumed after a restart is told what it already
+made (``resume_point``) and makes only the rest. ``RolloutBuffer`` calls it under its lock,
+and replays its records through ``apply``.
+
+A job that ends without finishing (failed, cancelled, not resumed) is kept as ``unfinished``
+with its generator and its plan (a fingerprint of the fields that define it), and its task
+goes on counting: a later start of the same generator and plan continues it
+(``continues``, ``started(..., resumed=True)``) instead of making the whole plan again.
+Progress is the task's trajectories written (``TaskBuffer.written``) since the job's last
+start: as the records are replayed in the order they were written, a replay finds the same
+count at each ``job`` and ``job_resume`` record as the run that wrote it.
 """
 
 from __future__ import annotations
@@ -32,17 +41,70 @@ class JobLedger:
         #: after a restart.
         self.jobs: dict[str, dict[str, Any]] = {}
 
-    def started(self, task: TaskBuffer, generator: str, data: dict[str, Any], log: Log) -> None:
-        self.jobs[task.task_type] = {"generator": generator, "data": data, "crashes": 0}
-        task.start_job_count()
-        if log is not None:
-            log(encode({"e": "job", "t": task.task_type, "g": generator, "data": data}))
+    def running(self) -> dict[str, dict[str, Any]]:
+        """The jobs running (the unfinished ones left out)."""
+        return {name: spec for name, spec in self.jobs.items() if not spec.get("unfinished")}
 
-    def ended(self, task_type: str, task: TaskBuffer | None, log: Log) -> None:
-        if self.jobs.pop(task_type, None) is not None and log is not None:
-            log(encode({"e": "job_end", "t": task_type}))
-        if task is not None:
+    def started(
+        self,
+        task: TaskBuffer,
+        generator: str,
+        data: dict[str, Any],
+        log: Log,
+        *,
+        plan: str | None = None,
+        resumed: bool = False,
+    ) -> None:
+        """``resumed``: the job continues the task's unfinished one, whose count goes on."""
+        self._start(task, generator, data, plan, resumed)
+        if log is not None:
+            record = {"e": "job", "t": task.task_type, "g": generator, "data": data, "plan": plan}
+            log(encode({**record, "resumed": True} if resumed else record))
+
+    def _start(self, task: TaskBuffer, generator: str, data: Any, plan: str | None, resumed: bool) -> None:
+        self.jobs[task.task_type] = {
+            "generator": generator,
+            "data": data,
+            "crashes": 0,
+            "plan": plan,
+            "written": task.written,
+        }
+        if not resumed or task.job_finished is None:
+            task.start_job_count()
+
+    def ended(self, task_type: str, task: TaskBuffer | None, log: Log, *, finished: bool = True) -> None:
+        """``finished``: the job made its whole plan; else it is kept as unfinished, its task
+        counting on, for a later start of the same plan to continue it."""
+        spec = self.jobs.get(task_type)
+        if spec is None or spec.get("unfinished"):
+            return
+        self._end(task_type, task, finished)
+        if log is not None:
+            record = {"e": "job_end", "t": task_type}
+            log(encode(record if finished else {**record, "unfinished": True}))
+
+    def _end(self, task_type: str, task: TaskBuffer | None, finished: bool) -> None:
+        spec = self.jobs.pop(task_type)
+        if not finished:
+            self.jobs[task_type] = {
+                "generator": spec["generator"],
+                "plan": spec.get("plan"),
+                "unfinished": True,
+            }
+        elif task is not None:
             task.stop_job_count()
+
+    def continues(self, task_type: str, generator: str, plan: str | None) -> bool:
+        """Whether a job of ``generator`` and ``plan`` started now continues the task's
+        unfinished one: the same generator, the same plan."""
+        spec = self.jobs.get(task_type)
+        return (
+            spec is not None
+            and bool(spec.get("unfinished"))
+            and plan is not None
+            and spec.get("plan") == plan
+            and spec["generator"] == generator
+        )
 
     def paused(self, task_type: str, log: Log) -> None:
         spec = self.jobs.get(task_type)
@@ -51,13 +113,19 @@ class JobLedger:
             if log is not None:
                 log(encode({"e": "job_pause", "t": task_type}))
 
-    def crashes_if_resumed(self, task_type: str) -> int:
-        spec = self.jobs[task_type]
-        return 0 if spec.get("paused") else int(spec.get("crashes", 0)) + 1
+    def crashes_if_resumed(self, task: TaskBuffer) -> int:
+        """0 after a clean stop; 1 after a crash of a job that wrote trajectories since its
+        last start (a crash with progress starts the count again); else one more."""
+        spec = self.jobs[task.task_type]
+        if spec.get("paused"):
+            return 0
+        progressed = spec.get("written") is not None and task.written > spec["written"]
+        return 1 if progressed else int(spec.get("crashes", 0)) + 1
 
-    def resumed(self, task_type: str, crashes: int, log: Log) -> None:
+    def resumed(self, task: TaskBuffer, crashes: int, log: Log) -> None:
+        task_type = task.task_type
         spec = self.jobs[task_type]
-        spec["crashes"], spec["paused"] = crashes, False
+        spec["crashes"], spec["paused"], spec["written"] = crashes, False, task.written
         if log is not None:
             log(encode({"e": "job_resume", "t": task_type, "crashes": crashes}))
 
@@ -82,16 +150,16 @@ class JobLedger:
         """Replay one of the ledger's records (``KINDS``); ``task_of`` finds or makes a task."""
         kind, task_type = header["e"], header["t"]
         if kind == "job":
-            self.jobs[task_type] = {"generator": header["g"], "data": header["data"], "crashes": 0}
-            task_of(task_type).start_job_count()
+            resumed = bool(header.get("resumed"))
+            self._start(task_of(task_type), header["g"], header["data"], header.get("plan"), resumed)
         elif kind == "job_end":
-            self.jobs.pop(task_type, None)
-            if (ended := tasks.get(task_type)) is not None:
-                ended.stop_job_count()
+            if task_type in self.jobs:
+                self._end(task_type, tasks.get(task_type), not header.get("unfinished"))
         elif kind == "job_pause":
             self.jobs[task_type]["paused"] = True
         else:
-            self.jobs[task_type].update(crashes=header["crashes"], paused=False)
+            written = task_of(task_type).written
+            self.jobs[task_type].update(crashes=header["crashes"], paused=False, written=written)
 
     def snapshot(self, tasks: Mapping[str, TaskBuffer]) -> dict[str, dict[str, Any]]:
         """The jobs as a snapshot's ``state`` record keeps them: each with the groups its task

@@ -139,8 +139,8 @@ class RolloutBuffer:
     @property
     def jobs(self) -> dict[str, dict[str, Any]]:
         """The generator jobs running, by buffer task: what started each, to start it again
-        after a restart (``job_started``, ``job_ended``)."""
-        return self._ledger.jobs
+        after a restart (``job_started``, ``job_ended``); the unfinished ones left out."""
+        return self._ledger.running()
 
     # -- tasks -------------------------------------------------------------------------
 
@@ -247,7 +247,7 @@ class RolloutBuffer:
                 self._prepare(f"{index}." if numbered else "", item) for index, item in enumerate(items)
             ]
             if self.max_buffered:
-                self._writes.check_room(prepared, self._held.items, self.max_buffered)
+                self._writes.check_room(prepared, self._held.items, self.max_buffered, self._tasks.values())
             results, touched = self._writes.apply(prepared, items, journal, now, wall, self.write_observers)
             for task in touched:
                 task.expire(now)
@@ -379,16 +379,36 @@ class RolloutBuffer:
 
     # -- generator jobs (core/ledger.py) -------------------------------------------------
 
-    def job_started(self, task_type: str, generator: str, data: dict[str, Any]) -> None:
-        """Remember that ``generator`` runs as ``task_type`` with ``data``, across restarts,
-        and count the groups of the task that finish from now on (``resume_point``)."""
+    def job_started(
+        self,
+        task_type: str,
+        generator: str,
+        data: dict[str, Any],
+        *,
+        plan: str | None = None,
+        resumed: bool = False,
+    ) -> None:
+        """Remember that ``generator`` runs as ``task_type`` with ``data`` (its ``plan``, a
+        fingerprint), across restarts, and count the groups of the task that finish from now
+        on (``resume_point``); ``resumed``: it continues the task's unfinished job
+        (``job_continues``), whose count goes on."""
         with self._lock:
-            self._ledger.started(self._task(task_type), generator, data, self._log)
+            self._ledger.started(
+                self._task(task_type), generator, data, self._log, plan=plan, resumed=resumed
+            )
 
-    def job_ended(self, task_type: str) -> None:
-        """The task's job finished, failed or was cancelled: a restart leaves it ended."""
+    def job_ended(self, task_type: str, *, finished: bool = True) -> None:
+        """The task's job made its whole plan (``finished``), or failed, was cancelled or not
+        resumed: a restart leaves it ended; an unfinished one a later start may continue."""
         with self._lock:
-            self._ledger.ended(task_type, self._tasks.get(task_type), self._log)
+            self._ledger.ended(task_type, self._tasks.get(task_type), self._log, finished=finished)
+
+    def job_continues(self, task_type: str, generator: str, plan: str | None) -> bool:
+        """Whether a job of ``generator`` and ``plan`` started now would continue the task's
+        job that ended unfinished (the same generator and plan): its ``resume_point`` holds
+        what that one made."""
+        with self._lock:
+            return self._ledger.continues(task_type, generator, plan)
 
     def job_paused(self, task_type: str) -> None:
         """The service is shutting down cleanly with the task's job running: it resumes after
@@ -398,14 +418,15 @@ class RolloutBuffer:
 
     def crashes_if_resumed(self, task_type: str) -> int:
         """How many times in a row the service has stopped without shutting down while the
-        task's job ran, counting the stop just before this start: 0 after a clean stop."""
+        task's job ran and wrote nothing since its last start, counting the stop just before
+        this start: 0 after a clean stop, 1 when the job wrote since its last start."""
         with self._lock:
-            return self._ledger.crashes_if_resumed(task_type)
+            return self._ledger.crashes_if_resumed(self._task(task_type))
 
     def job_resumed(self, task_type: str, crashes: int) -> None:
         """The task's job runs again after a restart; ``crashes`` as ``crashes_if_resumed``."""
         with self._lock:
-            self._ledger.resumed(task_type, crashes, self._log)
+            self._ledger.resumed(self._task(task_type), crashes, self._log)
 
     def resume_point(self, task_type: str) -> dict[str, Any]:
         """What the task's job has produced since it started, for the job resumed to make only

@@ -6,7 +6,8 @@ the buffer's lock:
 1. ``prepare`` makes each trajectory's ``Record``: the scalar reward (``reward_key`` of a dict
    of named rewards), a uid if it has none, its JSON encoded once. A batch is checked whole
    before anything is written: a bad trajectory refuses it all;
-2. ``WritePath.check_room`` refuses a batch that would take the buffer past its limit;
+2. ``WritePath.check_room`` refuses a batch that would take the buffer past its limit, when
+   a task it opens groups of holds more than its fair share of that limit;
 3. ``WritePath.apply`` writes each: a uid seen before is counted as a duplicate and nothing
    more; any other is kept (a ``w`` record, before the group it fills can log its outcome),
    added to its task's group, shown to the observers and to the recent list.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -105,16 +106,23 @@ class WritePath:
         self.recent: deque[Recent] = deque(maxlen=recent)
         self._written_seq = 0
 
-    def check_room(self, prepared: list[Prepared], held: int, max_buffered: int) -> None:
+    def check_room(
+        self, prepared: list[Prepared], held: int, max_buffered: int, tasks: Iterable[TaskBuffer] = ()
+    ) -> None:
         """Refuse, whole, a write whose trajectories beyond what the open groups lack would take
-        the buffer past ``max_buffered`` (``held`` now). What fills a group already open is
-        always taken, so groups can finish while the trainer catches up; a batch is taken all
-        or none, as its validation is. O(1) when it fits anyway, else O(batch)."""
+        the buffer past ``max_buffered`` (``held`` now), unless each task it opens groups of
+        stays within its fair share: ``max_buffered`` over the tasks holding trajectories
+        (``tasks``, the buffer's, this write's counted). One task's flood so never locks
+        another out: the flood is refused, and the other's groups are taken while it holds less
+        than its share (the buffer then holds more than ``max_buffered``, never twice as
+        many). What fills a group already open is always taken, so groups
+        can finish while the trainer catches up; a batch is taken all or none, as its validation
+        is. O(1) when it fits anyway, else O(batch + tasks)."""
         if held + len(prepared) <= max_buffered:
             return
         lacking: dict[tuple[str, InstanceId], int] = {}
         uids: set[str] = set()
-        adding = 0
+        adding: dict[TaskBuffer, int] = {}
         for task, instance_id, record in prepared:
             if record.uid in self._uids or record.uid in uids:
                 continue  # a duplicate adds nothing
@@ -128,13 +136,18 @@ class WritePath:
                 lacking[key] = left - 1
             else:
                 lacking[key] = 0
-                adding += 1
-        if adding > max_buffered:
+                adding[task] = adding.get(task, 0) + 1
+        total = sum(adding.values())
+        if total > max_buffered:
             self.refused_full += 1
-            raise BatchTooLarge(adding, max_buffered)
-        if adding and held + adding > max_buffered:
+            raise BatchTooLarge(total, max_buffered)
+        if not total or held + total <= max_buffered:
+            return
+        holding = {task for task in tasks if _held(task)} | set(adding)
+        share = max_buffered / len(holding)
+        if any(_held(task) + count > share for task, count in adding.items()):
             self.refused_full += 1
-            raise BufferFull(held, max_buffered, adding)
+            raise BufferFull(held, max_buffered, total)
 
     def apply(
         self,
@@ -208,3 +221,7 @@ class WritePath:
         self.recent.extend(tuple(entry) for entry in state["recent"])
         for uid in state["uids"]:
             self._remember(uid)
+
+
+def _held(task: TaskBuffer) -> int:
+    return task.pending_items + task.ready_items

@@ -58,6 +58,7 @@ class Policy:
         self._workers: dict[str, _Worker] = {}
         #: Notified when a worker reports or stops watching (``drained``).
         self.reported = Signal()
+        #: The engines the current pause named, told at its resume; cleared by the resume.
         self.engine_urls: list[str] = []
         #: The engines' kind as the trainer said it ("auto": found per URL), and as found.
         self.engine_kind = "auto"
@@ -101,6 +102,21 @@ class Policy:
         self.mode = None
         self.gate.resume(self.version)
         self.changed.notify()
+
+    def name_engines(self, urls: list[str], kind: str) -> None:
+        """The engines this pause named (none: none), replacing any an earlier pause named:
+        only these are told at the resume. Their kinds found before are kept, no others."""
+        with self._lock:
+            self.engine_urls = list(urls)
+            self.engine_kind = kind
+            for url in [url for url in self.engine_kinds if url not in self.engine_urls]:
+                del self.engine_kinds[url]
+
+    def forget_engines(self, told: list[str]) -> None:
+        """The resume told ``told``: forgotten, unless a later pause has named its own since."""
+        with self._lock:
+            if self.engine_urls is told:
+                self.engine_urls = []
 
     def state(self) -> dict[str, Any]:
         """What a generator elsewhere mirrors: the version and whether it may send requests."""

@@ -93,6 +93,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             api_key=required_key(settings),
             log_level=settings.log_level,
             ray_address=settings.ray_address,
+            worker_env_api_key=settings.worker_env_api_key,
         )
         buffer.write_observers.append(job_manager.leases.observe)
         watch_logprobs(buffer)  # counted from the first write, not the first scrape

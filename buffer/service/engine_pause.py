@@ -12,6 +12,9 @@ entry each in ``ROUTES``):
 An engine named ``auto`` is asked in SGLang's words, then in vLLM's when those are not found,
 and its kind is remembered per URL (``Policy.engine_kinds``). Every engine's answer is kept
 (``EngineAnswer``): an engine that refused or could not be reached is never reported paused.
+At most ``MAX_CONCURRENT`` engines are asked at once, each given ``ENGINE_TIMEOUT_S`` in all:
+a slow or silent engine costs its own answer, never the service's other requests (its host
+names are resolved in the threads every request shares).
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from buffer.toolkit.llm import engine_root_url
 Action = Literal["pause", "resume"]
 #: Statuses that say "no such route here": the engine is of the other kind, or lacks the routes.
 NOT_FOUND = frozenset({404, 405})
+#: Engines asked at once: the rest wait their turn.
+MAX_CONCURRENT = 16
+#: How long one engine has to answer, both kinds' routes tried (``auto``) included.
+ENGINE_TIMEOUT_S = 15.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,14 +90,34 @@ class EngineAnswer:
 
 
 async def tell_engines(
-    urls: list[str], action: Action, engine: str, kinds: dict[str, str], timeout_s: float = 30.0
+    urls: list[str],
+    action: Action,
+    engine: str,
+    kinds: dict[str, str],
+    timeout_s: float = ENGINE_TIMEOUT_S,
+    concurrency: int = MAX_CONCURRENT,
 ) -> list[EngineAnswer]:
-    """Ask every engine at once to pause (abort what is in flight) or to resume; ``engine`` is
-    their kind ("vllm", "sglang", or "auto": found per URL and remembered in ``kinds``)."""
+    """Ask the engines, ``concurrency`` at a time, to pause (abort what is in flight) or to
+    resume, each within ``timeout_s``; ``engine`` is their kind ("vllm", "sglang", or "auto":
+    found per URL and remembered in ``kinds``). One answer per URL, in their order."""
     if not urls:
         return []
-    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
-        return list(await asyncio.gather(*(_tell(client, url, action, engine, kinds) for url in urls)))
+    slots = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async def ask(client: httpx.AsyncClient, url: str) -> EngineAnswer:
+        async with slots:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    return await _tell(client, url, action, engine, kinds)
+            except TimeoutError:
+                known = engine if engine in ROUTES else kinds.get(url)
+                return EngineAnswer(
+                    url, known, False, None, f"no answer in {timeout_s:g} s: nothing was {action}d"
+                )
+
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, trust_env=False) as client:
+        return list(await asyncio.gather(*(ask(client, url) for url in urls)))
 
 
 async def _tell(

@@ -34,8 +34,15 @@ is handed the service's ``LocalSink`` as its ``writer`` and the lease board.
 With a data folder, the jobs running when the service stops run again after its restart
 (``resume``), each given in ``data["resume"]`` what it had produced (the buffer's
 ``resume_point``) so it makes only what is missing. A job that was running at
-``MAX_CRASHES`` stops in a row without a clean shutdown (a generator that kills the process,
-or exhausts its memory) is not resumed again: it is listed as failed, with the reason.
+``MAX_CRASHES`` stops in a row without a clean shutdown and without writing a trajectory
+between them (a generator that kills the process, or exhausts its memory, before it makes
+anything) is not resumed again: it is listed as failed, with the reason. A crash after the job
+wrote since its last start counts as the first again: a long run killed now and then goes on.
+
+A job that did not finish (failed, cancelled, not resumed) is continued by the next start of
+the same generator with the same plan (``plan_of``: the data set, epochs, repeats, seed,
+shuffle, keys and skips): it is given the same ``data["resume"]`` and makes only what is
+missing, unless the start says ``restart`` or brings its own ``resume``.
 """
 
 from __future__ import annotations
@@ -45,8 +52,10 @@ import contextlib
 import contextvars
 import enum
 import functools
+import hashlib
 import importlib.util
 import itertools
+import json
 import logging
 import os
 import threading
@@ -57,6 +66,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from buffer import paths
 from buffer.core.registry import Generator, GeneratorRegistry, where
@@ -89,8 +100,37 @@ DEFAULT_LEASE_TTL_S = 30.0
 #: are handed to others (a write it sent just before it died is still read from the socket).
 RELEASE_SETTLE_S = 0.5
 Isolation = Literal["process", "inline"]
-#: A job running at this many crashes of the service in a row is not resumed again.
+#: A job running at this many crashes of the service in a row, with no trajectory written
+#: between them, is not resumed again.
 MAX_CRASHES = 2
+
+
+class _PlanFields(BaseModel):
+    """The /start_rollout fields that define a toolkit job's plan (``buffer.toolkit.dataset.Plan``),
+    with the toolkit's defaults: what two jobs must share for one to continue the other."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input_file: str | None = None
+    num_repeat_per_sample: int = 1
+    num_epoch: int = 1
+    seed: int = 0
+    shuffle: bool = True
+    input_key: str = "prompt"
+    label_key: str = "label"
+    skip_instance_ids: list[str | int] = []
+
+
+def plan_of(data: dict[str, Any]) -> str | None:
+    """A fingerprint of the plan ``data`` defines (``_PlanFields``, the numbers slime sends as
+    strings read as numbers, the skips in any order); None when they cannot be read."""
+    try:
+        fields = _PlanFields.model_validate(data).model_dump()
+    except ValidationError:
+        return None
+    fields["skip_instance_ids"] = sorted(str(instance_id) for instance_id in fields["skip_instance_ids"])
+    canonical = json.dumps(fields, sort_keys=True).encode()
+    return hashlib.blake2b(canonical, digest_size=12).hexdigest()
 
 
 class JobStatus(str, enum.Enum):
@@ -155,15 +195,19 @@ class JobManager:
         api_key: str | None = None,
         log_level: str = "info",
         ray_address: str | None = None,
+        worker_env_api_key: bool = False,
     ) -> None:
-        """``api_key``: the service's own, given to its workers to write back to it;
-        ``ray_address``: run workers as Ray actors there (a job's ``ray_address`` too)."""
+        """``api_key``: the service's own, given to its workers (in their spec) to write back
+        to it; ``ray_address``: run workers as Ray actors there (a job's ``ray_address`` too);
+        ``worker_env_api_key``: put the key in the workers' environment too (for a generator
+        whose own subprocesses write), where by default it is not."""
         self.isolation = isolation
         self.ray_address = ray_address
         self._api_key = api_key
         self.grace_s = grace_s
         self._log_level = log_level
-        self._worker_env = _worker_env(api_key)
+        self._worker_env_api_key = worker_env_api_key
+        self._worker_env = _worker_env(api_key if worker_env_api_key else None)
         self._locks: dict[str, asyncio.Lock] = {}
         #: Work leases: a job's workers, and remote ones (``rollout-buffer worker --leases``).
         self.leases = LeaseBoard()
@@ -210,15 +254,36 @@ class JobManager:
         at once never leave two running."""
         return self._locks.setdefault(name, asyncio.Lock())
 
-    def start(self, generator: Generator, data: dict[str, Any], *, name: str | None = None) -> Job:
+    def start(
+        self, generator: Generator, data: dict[str, Any], *, name: str | None = None, restart: bool = False
+    ) -> Job:
         """Run ``generator.run_rollout(data)`` in the background, as the buffer task ``name``
         (default: the generator's task type), ``data`` as ``check`` returned it. Call on the
-        event loop."""
+        event loop.
+
+        Where the task's last job, of this generator and plan, did not finish, this one
+        continues it: ``data["resume"]`` says what that one made, as for a job resumed after a
+        restart. Not with ``restart`` (the whole plan again), nor when ``data`` brings its own
+        ``resume``."""
         task_type = name or generator.task_type
+        plan = plan_of(data)
+        continues = (
+            not restart
+            and "resume" not in data
+            and self._buffer.job_continues(task_type, generator.task_type, plan)
+        )
+        if continues:
+            data["resume"] = self._buffer.resume_point(task_type)
         job = self._new_job(task_type, str(generator.path), data)
-        self._buffer.job_started(task_type, generator.task_type, data)
+        self._buffer.job_started(task_type, generator.task_type, data, plan=plan, resumed=continues)
         self._launch(job, generator)
-        logger.info("%s: started %s (%s)", job.id, task_type, generator.path)
+        logger.info(
+            "%s: started %s (%s)%s",
+            job.id,
+            task_type,
+            generator.path,
+            ", making what its unfinished job did not" if continues else "",
+        )
         return job
 
     async def resume(self, registry: GeneratorRegistry, *, enabled: bool = True) -> list[Job]:
@@ -234,13 +299,14 @@ class JobManager:
             if not enabled or generator is None:
                 if enabled:
                     logger.error("not resuming %s: no generator %r now", task_type, spec["generator"])
-                self._buffer.job_ended(task_type)
+                self._buffer.job_ended(task_type, finished=False)  # a start of its plan continues it
                 continue
             crashes = self._buffer.crashes_if_resumed(task_type)
             if crashes >= MAX_CRASHES:
                 reason = (
                     f"the service stopped without shutting down {crashes} times in a row while this "
-                    "job ran (a generator that kills the process or exhausts its memory?)"
+                    "job ran, with no trajectory written in between (a generator that kills the "
+                    "process or exhausts its memory?)"
                 )
                 jobs.append(self._not_resumed(task_type, generator, spec["data"], reason))
                 continue
@@ -267,7 +333,10 @@ class JobManager:
 
     def _not_resumed(self, task_type: str, generator: Generator, data: dict[str, Any], why: str) -> Job:
         job = self._new_job(task_type, str(generator.path), data)
-        reason = f"not resumed: {why}; /start_rollout starts it again"
+        reason = (
+            f"not resumed: {why}; /start_rollout with the same plan makes what it did not "
+            '(with "restart": true, the whole plan again)'
+        )
         self._finish(job, JobStatus.FAILED, reason)
         logger.error("%s: %s rollout %s", job.id, task_type, reason)
         return job
@@ -343,11 +412,12 @@ class JobManager:
                 count=count,
                 log_level=self._log_level,
                 api_key_hosts=tuple(sorted(self.policy.api_key_hosts)),
+                api_key=self._api_key,
             )
             worker: WorkerProcess | RayWorker
             if ray_address:
-                key = self._worker_env.get(API_KEY_VARIABLE)
-                env = {API_KEY_VARIABLE: key} if key and self._api_key else {}
+                key = self._api_key if self._worker_env_api_key else None
+                env = {API_KEY_VARIABLE: key} if key else {}
                 worker = RayWorker(spec, str(ray_address), env)
             else:
                 worker = WorkerProcess(spec, env=self._worker_env)
@@ -472,7 +542,7 @@ class JobManager:
         job.status, job.error, job.traceback, job.where = status, error, tb, at
         job.finished_at = time.time()
         if not self._stopping:  # stopped by the service's shutdown: it runs again after a restart
-            self._buffer.job_ended(job.task_type)
+            self._buffer.job_ended(job.task_type, finished=status is JobStatus.SUCCEEDED)
 
     def _forget_old(self) -> None:
         while len(self._jobs) > self._keep:
@@ -557,9 +627,11 @@ def _merged(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _worker_env(api_key: str | None) -> dict[str, str]:
-    """A worker's environment: the service's, this package first on its path, and the service's
-    own key so its writes back are let in."""
+    """A worker's environment: the service's, this package first on its path, without the
+    service's key (a worker gets it in its spec, and whatever the generator starts inherits
+    this environment) unless ``api_key`` is given (``--worker-env-api-key``)."""
     env = dict(os.environ)
+    env.pop(API_KEY_VARIABLE, None)
     root = str(paths.ROOT)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     if api_key:

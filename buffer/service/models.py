@@ -321,7 +321,11 @@ class StartRolloutRequest(TaskGrouping):
         description="the engine's logprobs mode as it was started (vLLM's --logprobs-mode; "
         "raw_logprobs for SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB); null: the engine's default",
     )
-    restart: bool = Field(False, description="cancel the task's running job and start a new one")
+    restart: bool = Field(
+        False,
+        description="cancel the task's running job and start a new one over the whole plan (without it, "
+        "a start continues the task's unfinished job of the same plan: only what it did not make)",
+    )
     rollout_name: Annotated[StrictStr, Field(min_length=1)] | None = Field(
         None,
         description="the buffer task and job this run writes to (default: task_type); one generator can "

@@ -166,6 +166,11 @@ class Settings(BaseSettings):
         description="run each job's workers as Ray actors on this cluster (e.g. ray://head:10001, auto, "
         "or local for a Ray instance of the service's own); needs the ray extra",
     )
+    worker_env_api_key: CliImplicitFlag[bool] = Field(
+        False,
+        description="put the API key in the environment of jobs' workers too, for generators whose "
+        "own subprocesses write to the buffer (by default a worker gets it privately, on stdin)",
+    )
     hook_timeout_s: float = Field(
         2.0, gt=0, description="a generator's hook (is_valid_group, ...) that runs longer fails its group"
     )

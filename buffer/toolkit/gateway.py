@@ -66,7 +66,7 @@ async def gateway_session(
         buffer_url = job.buffer_url
     task_type = _session_task(task_type, job)
     headers = {}
-    if key := key_or_env(api_key):
+    if key := key_or_env(api_key, buffer_url):
         headers["authorization"] = f"Bearer {key}"
     body: dict[str, Any] = {"task_type": task_type, "instance_id": instance_id, "metadata": metadata or {}}
     if remote_engine_url is not None:

@@ -83,7 +83,7 @@ class HttpLeases:
 
     def __init__(self, url: str, task_type: str, worker: str, ttl_s: float) -> None:
         headers = {}
-        if key := key_or_env(None):
+        if key := key_or_env(None, url):
             headers["authorization"] = f"Bearer {key}"
         self._http = httpx.AsyncClient(
             base_url=url.rstrip("/"), headers=headers, timeout=30.0, trust_env=False

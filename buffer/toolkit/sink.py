@@ -66,7 +66,7 @@ class HttpSink:
     ) -> None:
         self._url = url.rstrip("/") + "/buffer/write_batch"
         self._headers = {"content-type": "application/json"}
-        api_key = key_or_env(api_key)
+        api_key = key_or_env(api_key, url)
         if api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
         self._batch_size = batch_size

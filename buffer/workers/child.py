@@ -10,9 +10,17 @@ own machinery is a dozen modules, so it starts in tens of milliseconds.
 
 SIGTERM is a cancel: an async generator's task is cancelled, a sync one gets ``Cancelled``
 raised in its thread (and ``current_job().cancel_requested`` turns true). The service kills
-the whole group after its grace period whatever the generator does. A worker whose service
-has gone (killed outright, so it could not stop its workers) kills its own group: nothing
-keeps writing for a service that will not come back as the same process.
+the whole group after its grace period whatever the generator does.
+
+Nothing of a job outlives its worker, nor a worker its service (``lineage``): the worker is a
+child subreaper, so a process its generator detaches (``setsid``, a double fork) stays below it,
+and every process below it is killed when it exits. The service starts it through a bootstrap
+(``buffer.workers.process``) whose first line has the kernel SIGKILL it when the service dies,
+and which exits at once if the service is gone already; once its generator could have started
+anything, that is handed over to a lifeline, a pipe whose write end only the service holds:
+at its end of file (the service killed outright, so it could not stop its workers), the worker
+kills every process below it and its group, itself included. Nothing keeps writing for a
+service that will not come back as the same process.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import Any
 from buffer.core.registry import Generator, LoadError, load_generator, where
 from buffer.current import JobContext, running
 from buffer.logs import configure_logging
+from buffer.workers.lineage import become_subreaper, kill_descendants, set_parent_death_signal, watch_lifeline
 from buffer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -48,11 +57,16 @@ class Cancelled(BaseException):
     """Raised in a sync generator's thread when the service cancels the job."""
 
 
-def main() -> None:
+def main(parent: int | None = None, lifeline: int | None = None) -> None:
+    """Run the job's generator: the ``WorkerSpec`` on stdin; ``parent``, the service's pid,
+    ``lifeline``, the read end of its pipe (both None run by hand: its parent then)."""
+    become_subreaper()
+    _watch_parent(os.getppid() if parent is None else parent, lifeline)
+    set_parent_death_signal(0)  # the lifeline's from now: it takes what the generator starts along
     spec = WorkerSpec.from_json(json.loads(sys.stdin.read()))
     configure_logging(spec.log_level)
-    _watch_parent(os.getppid())
     code = run(spec)
+    kill_descendants(os.getpid())  # what the generator left running (detached or not) ends here
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -81,6 +95,7 @@ def run(spec: WorkerSpec, outcome: dict[str, Any] | None = None) -> int:
         buffer_url=spec.buffer_url,
         in_worker=True,
         api_key_hosts=frozenset(spec.api_key_hosts),
+        api_key=spec.api_key,
     )
     if spec.progress_file:
         _publish_progress(job, Path(spec.progress_file))
@@ -141,14 +156,26 @@ def _cancel_sync(job: JobContext, frame: FrameType | None) -> None:
 _own_pid = os.getpid()
 
 
-def _watch_parent(parent: int) -> None:
-    """Kill this process group once the service that started it is gone."""
+def _watch_parent(parent: int, lifeline: int | None) -> None:
+    """Kill every process below this one, and this process group, once the service that
+    started it is gone: at the end of file of ``lifeline``, else when its parent changes."""
+
+    def gone() -> None:
+        kill_descendants(os.getpid())
+        if os.getpgrp() == os.getpid():  # its own group, as the service starts it
+            with contextlib.suppress(OSError):
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+        os._exit(EXIT_FAILED)
+
+    if lifeline is not None:
+        os.set_inheritable(lifeline, False)  # what the generator starts holds no copy
+        watch_lifeline(lifeline, gone)
+        return
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(ORPHAN_CHECK_S)
-        with contextlib.suppress(OSError):
-            os.killpg(os.getpgrp(), signal.SIGKILL)
+        gone()
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 

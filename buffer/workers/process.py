@@ -1,11 +1,21 @@
 """A worker process as the service sees it: started, watched, stopped with its whole group.
 
-Each worker is a fresh interpreter (``sys.executable -m buffer.workers.child``: nothing of the
-service's state, threads or locks is inherited, as a ``fork`` would), the leader of a new
-process group (set at ``exec``, so no moment exists where it could escape a stop), given its
-``WorkerSpec`` on stdin. ``stop`` sends SIGTERM to the group, waits the grace period, then
-SIGKILL: processes the generator started (``multiprocessing`` pools, shell commands) go with
-it. When the worker exits on its own, what it left in its group is killed too.
+Each worker is a fresh interpreter (``sys.executable -c BOOTSTRAP``, which runs
+``buffer.workers.child``: nothing of the service's state, threads or locks is inherited, as a
+``fork`` would), the leader of a new process group (set at ``exec``, so no moment exists where
+it could escape a stop), given its ``WorkerSpec`` on stdin. ``stop`` sends SIGTERM to the
+group, waits the grace period, then SIGKILL to every process below the worker (it is a child
+subreaper: a generator's ``setsid`` daemon is one of them) and to the group: processes the
+generator started (``multiprocessing`` pools, shell commands) go with it. When the worker exits
+on its own, what it left in its group is killed too.
+
+A worker dies with its service, however the service ends (``lineage``): the bootstrap's first
+line asks the kernel to SIGKILL it when the service dies, before it imports anything, and it
+exits if its parent is no longer the service that started it (gone before that line ran); the
+service holds the write end of a pipe (the lifeline) whose end of file tells the worker,
+once its generator runs, to kill all it started and itself.
+
+Its stdout and stderr come to the service's log line by line, capped (``output``).
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from buffer.workers.lineage import kill_descendants
+from buffer.workers.output import WorkerOutput
 from buffer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -31,6 +43,26 @@ logger = logging.getLogger(__name__)
 _EXIT_STATUS = {0: "succeeded", 2: "cancelled"}
 #: How long a stop waits, after SIGKILL, for the group's processes to be gone.
 KILL_WAIT_S = 2.0
+#: How long, once a worker has exited, its output readers may take to read what is left.
+OUTPUT_DRAIN_S = 2.0
+#: A worker's first lines: before anything is imported, the kernel is to SIGKILL it when the
+#: service dies (Linux's PR_SET_PDEATHSIG); if the service died before that, it exits. Then the
+#: worker proper, given the service's pid and its end of the lifeline. Its arguments: the
+#: service's pid, the lifeline's descriptor, and the job's id (to tell workers apart in ``ps``).
+BOOTSTRAP = """\
+import os, sys
+parent, lifeline = int(sys.argv[1]), int(sys.argv[2])
+if sys.platform == "linux":
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+if os.getppid() != parent:  # the service is gone already
+    os._exit(1)
+from buffer.workers.child import main
+main(parent, lifeline)
+"""
 
 
 @dataclass(slots=True)
@@ -54,6 +86,9 @@ class WorkerProcess:
     outcome: WorkerOutcome | None = None
     _directory: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
     _progress: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: The write end of its lifeline: closed when it has exited (or with this process).
+    _lifeline: int | None = field(default=None, repr=False)
+    _output: list[asyncio.Task[None]] = field(default_factory=list, repr=False)
 
     @property
     def pid(self) -> int | None:
@@ -67,14 +102,39 @@ class WorkerProcess:
             result_file=str(directory / "outcome.json"),
             progress_file=str(directory / "progress.json"),
         )
-        self.process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "buffer.workers.child",
-            stdin=asyncio.subprocess.PIPE,
-            env=self.env,
-            start_new_session=True,  # its own session and process group, set at exec
-        )
+        # Pipes of its own, none inherited (the worker's ends are passed): its output's are not
+        # asyncio's, whose wait() would wait for every process holding them to close them.
+        lifeline, self._lifeline = os.pipe()
+        (stdout, stdout_end), (stderr, stderr_end) = os.pipe(), os.pipe()
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                BOOTSTRAP,
+                str(os.getpid()),
+                str(lifeline),
+                spec.job_id,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=stdout_end,
+                stderr=stderr_end,
+                env=self.env,
+                pass_fds=(lifeline,),
+                start_new_session=True,  # its own session and process group, set at exec
+            )
+        except BaseException:
+            self._close_lifeline()
+            os.close(stdout)
+            os.close(stderr)
+            raise
+        finally:
+            for end in (lifeline, stdout_end, stderr_end):
+                os.close(end)
+        name = f"{spec.job_id}/{spec.index}"
+        output = WorkerOutput(name)
+        self._output = [
+            asyncio.create_task(output.forward(stdout, logging.INFO), name=f"{name}-stdout"),
+            asyncio.create_task(output.forward(stderr, logging.WARNING), name=f"{name}-stderr"),
+        ]
         assert self.process.stdin is not None
         self.process.stdin.write(json.dumps(spec.to_json()).encode())
         with contextlib.suppress(ConnectionError):  # it died at once: wait() tells how
@@ -87,6 +147,8 @@ class WorkerProcess:
         assert self.process is not None
         code = await self.process.wait()
         self._kill_group(signal.SIGKILL)
+        self._close_lifeline()
+        await self._end_output()
         self.progress()  # its last word, before the folder goes
         self.outcome = self._read_outcome(code)
         if self._directory is not None:
@@ -108,6 +170,8 @@ class WorkerProcess:
                 self.pid,
                 grace_s,
             )
+        if self.process.returncode is None:  # below it, while it lives: a subreaper's orphans too
+            await asyncio.to_thread(kill_descendants, self.process.pid)
         self._kill_group(signal.SIGKILL)
         await self.process.wait()
         # A signal is delivered when its process next runs: until then, one of its processes may
@@ -140,6 +204,23 @@ class WorkerProcess:
             "status": "running" if outcome is None else outcome.status,
             "exit": None if outcome is None else exit_text(outcome.returncode),
         }
+
+    def _close_lifeline(self) -> None:
+        if self._lifeline is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lifeline)
+            self._lifeline = None
+
+    async def _end_output(self) -> None:
+        """Let its output readers take what is left in the pipes (what it left running in its
+        group is dead by now; a detached process holding a pipe does not hold this up)."""
+        if not self._output:
+            return
+        _, pending = await asyncio.wait(self._output, timeout=OUTPUT_DRAIN_S)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*self._output, return_exceptions=True)
+        self._output = []
 
     def _kill_group(self, sig: signal.Signals) -> None:
         if self.process is None:

@@ -4,8 +4,9 @@ The same code as a job's worker process (``child.run``), started by hand: the ge
 ``run_rollout(data)`` runs here, and what it writes goes over HTTP to ``--buffer`` (batched,
 deduplicated by ``uid``, slowed by 429s; the key from ``ROLLOUT_BUFFER_API_KEY``). Unless told
 ``--no-configure``, the task is configured first (``PUT /tasks/{name}``) with the data's group
-size and timeout, so its groups fill as the generator means them to, even with a buffer run
-with ``--strict-tasks``. ``--worker-index``/``--num-workers`` split the plan between several
+size and timeout (and ``evaluation``: its groups kept as written, as ``/start_rollout`` keeps
+them), so its groups fill as the generator means them to, even with a buffer run with
+``--strict-tasks``. ``--worker-index``/``--num-workers`` split the plan between several
 such workers, a fixed share each; with ``--leases`` the buffer hands the work out instead, as
 it does to a job's own workers (``buffer.workers.leases``), so the share of a worker that stops
 is made by the others.
@@ -41,6 +42,7 @@ _TASK_FIELDS = (
     "min_valid_item_size_ratio",
     "min_timeout_group_size_ratio",
     "reward_key",
+    "evaluation",
 )
 
 
@@ -55,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     buffer = args.buffer.rstrip("/")
     data.update(task_type=args.task, remote_buffer_url=buffer)
     data.setdefault("generator_task_type", args.task)
+    data.setdefault("evaluation", False)  # as a job of /start_rollout sees it
     if args.configure:
         _configure(buffer, args.task, data)
     index, count = args.worker_index, args.num_workers

@@ -2,12 +2,14 @@
 
 Plain data only, so that the worker imports nothing of the service: the hosts the service's
 own API key may be sent to travel as a list of names (``api_key_hosts``), and the worker builds
-the generator's ``buffer.current.JobContext`` from them.
+the generator's ``buffer.current.JobContext`` from them. The service's key itself travels here
+(``api_key``, never in the worker's environment, where every process the generator starts
+would inherit it) and is left out of the spec's ``repr``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -30,6 +32,8 @@ class WorkerSpec:
     #: Hosts a ``remote_buffer_url`` may name to be sent the service's own API key
     #: (``JobPolicy.api_key_hosts``, ``--send-api-key-to``).
     api_key_hosts: tuple[str, ...] = ()
+    #: The service's own key, for writes back to ``buffer_url`` (and the ``api_key_hosts``).
+    api_key: str | None = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -77,8 +77,7 @@ async def test_a_workers_own_machinery_imports_at_most_15_of_the_packages_module
 async def test_a_worker_sends_the_services_key_only_to_the_service_and_the_hosts_it_names(
     tmp_path: Path,
 ) -> None:
-    key = {"ROLLOUT_BUFFER_API_KEY": "service-secret"}
-    sent = await run_worker(tmp_path, KEY_PROBE, key)
+    sent = await run_worker(tmp_path, KEY_PROBE, api_key="service-secret")
     assert sent == {"service": "Bearer service-secret", "other": None}
-    sent = await run_worker(tmp_path, KEY_PROBE, key, api_key_hosts=("other.internal",))
+    sent = await run_worker(tmp_path, KEY_PROBE, api_key="service-secret", api_key_hosts=("other.internal",))
     assert sent == {"service": "Bearer service-secret", "other": "Bearer service-secret"}

@@ -4,14 +4,19 @@ The engine always gets the agent's message as sent. What the trajectory keeps is
 which a ``data:`` image larger than ``inline_limit_bytes`` is stored once, by content hash,
 under the data folder (``images/<sha256>``) and replaced by the URL that serves it
 (``/images/<sha256>``); an image URL stays the URL. An image larger than ``max_image_bytes``
-is refused (413) before anything is sent. Without a data folder images stay inline.
+is refused (413) before anything is sent. Without a data folder images stay inline. A disk too
+full to keep an image answers 507 (``ImageStorageFull``), before anything is sent, and leaves
+no partial file behind.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import errno
 import hashlib
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +26,12 @@ from buffer.errors import RolloutBufferError
 
 class ImageTooLarge(RolloutBufferError):
     status_code = 413
+
+
+class ImageStorageFull(RolloutBufferError):
+    """The disk under the data folder is full (or over quota): the image cannot be kept."""
+
+    status_code = 507
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,15 +80,31 @@ class ImagePolicy:
         return {**part, "image_url": reference}
 
 
+#: What a full disk (or a user's quota) raises.
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
 def write_files(files: dict[Path, bytes]) -> None:
-    """Write each image once (content-addressed: an existing file is the same image). Blocking."""
+    """Write each image once (content-addressed: an existing file is the same image), through
+    a partial file of its own (two calls with the same image do not share one), removed when
+    the write fails. Blocking."""
     for path, data in files.items():
         if path.exists():
             continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        partial.write_bytes(data)
-        partial.replace(path)
+        partial = path.with_name(f"{path.name}.{secrets.token_hex(4)}.partial")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_bytes(data)
+            partial.replace(path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+            if exc.errno in _NO_SPACE:
+                raise ImageStorageFull(
+                    f"no space left under {path.parent} to keep an image of {len(data)} bytes: "
+                    "the disk of the service's data folder is full"
+                ) from exc
+            raise
 
 
 _MAGIC = (

@@ -6,7 +6,8 @@ returned, a call's answer reaches the agent, a reward or an end is confirmed, ea
 ``wait_durable``. A restart replays the events, so an acknowledged call is never lost; a call
 that crashed before its answer was acknowledged is one the agent saw fail. Ending writes the
 trajectory (uid ``session-<id>``, so a retried or replayed end is a duplicate, counted once)
-before the session's ``close``.
+before the session's ``close``; an end retried once the session is closed (its answer lost,
+or the service restarted) answers what the first end did (``ended``).
 
 Pause. With a pause gate (the policy-version control's, while weights are updated), a call
 waits up to ``pause_wait_s`` for generation to resume, then answers 503 with ``Retry-After``;
@@ -36,9 +37,11 @@ from buffer.service.gateway.proxy import EngineProxy, capture
 from buffer.service.gateway.sessions import (
     EVENT_KIND,
     MAX_SESSION_TIMEOUT_S,
+    Ended,
     OnTimeout,
     Session,
     SessionStore,
+    close_header,
 )
 from buffer.service.gateway.tree import parent_of
 from buffer.service.job_policy import JobPolicy
@@ -241,9 +244,15 @@ class Gateway:
         if reward is not None:
             await self.reward(session, reward)
         result = None if discard else self._write(session, call)
-        self._close(session, "discarded" if discard else "written")
+        self._close(session, result)
         await self.buffer.wait_durable()
         return result
+
+    def ended(self, session_id: str) -> Ended | None:
+        """How the session ended, when it is closed and remembered: an end retried answers it."""
+        if self.store.get(session_id) is not None:
+            return None
+        return self.store.ended.get(session_id)
 
     def _write(self, session: Session, call: int | None) -> WriteResult:
         if session.reward is None:
@@ -259,8 +268,13 @@ class Gateway:
         checked = parse_json(TRAJECTORY, orjson.dumps(trajectory))
         return self.buffer.write(checked)
 
-    def _close(self, session: Session, how: str) -> None:
-        self.buffer.log_event({"e": EVENT_KIND, "op": "close", "id": session.session_id, "how": how})
+    def _close(self, session: Session, written: WriteResult | None) -> None:
+        """Close the session: ``written`` as that trajectory, or discarded (None)."""
+        if written is None:
+            ended = Ended("discarded", session.task_type)
+        else:
+            ended = Ended("written", written.task_type, written.uid)
+        self.buffer.log_event(close_header(session.session_id, ended))
 
     def expire(self) -> int:
         """Time out the sessions idle past their timeout: written (with a reward, when the
@@ -268,17 +282,19 @@ class Gateway:
         now = self._clock()
         expired = [s for s in list(self.store.sessions.values()) if now - s.last_at > s.timeout_s]
         for session in expired:
-            how = "discarded"
+            written = None
             if session.on_timeout == "write" and session.reward is not None and session.calls:
                 try:
-                    self._write(session, None)
-                    how = "written"
+                    written = self._write(session, None)
                 except RolloutBufferError as exc:
                     logger.warning("session %s timed out and cannot be written: %s", session.session_id, exc)
             logger.info(
-                "session %s timed out after %.0f s: %s", session.session_id, now - session.last_at, how
+                "session %s timed out after %.0f s: %s",
+                session.session_id,
+                now - session.last_at,
+                "discarded" if written is None else "written",
             )
-            self._close(session, how)
+            self._close(session, written)
         return len(expired)
 
 

@@ -7,13 +7,16 @@ exactly what the journal will replay. The events:
 - ``open``: a session, with its task, instance, engine, key, timeout and metadata;
 - ``call``: one recorded chat completion (payload: the call as JSON), with its parent call;
 - ``reward``: the reward the agent's scorer posted;
-- ``close``: the session was written or discarded; it is gone.
+- ``close``: the session was written (its trajectory's ``uid``) or discarded; it is gone, and
+  remembered as ended (the last ``ENDED_KEPT``), so a retried end answers what the first did.
 
-A compaction writes the sessions still open as the same events (``snapshot``).
+A compaction writes the sessions still open, and those remembered as ended, as the same
+events (``snapshot``).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,6 +32,9 @@ OnTimeout = Literal["write", "discard"]
 MAX_METADATA_BYTES = 64 * 2**10
 #: The longest a session may stay idle before it times out (a week): it must expire some day.
 MAX_SESSION_TIMEOUT_S = 7 * 24 * 3600.0
+#: Sessions ended that are remembered, newest kept: an end retried after a crash or a lost
+#: answer finds what the first end did (a few hundred bytes each).
+ENDED_KEPT = 10_000
 
 
 @dataclass(slots=True)
@@ -66,12 +72,23 @@ class Session:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """How a session ended: ``written`` (as ``uid``, to ``task_type``) or ``discarded``."""
+
+    how: str
+    task_type: str
+    uid: str | None = None
+
+
 class SessionStore:
     """The open sessions by id. Changed only through ``apply`` (under the buffer's lock)."""
 
     def __init__(self) -> None:
         self.sessions: dict[str, Session] = {}
         self.closed: dict[str, int] = {"written": 0, "discarded": 0}
+        #: The sessions ended, oldest first, at most ``ENDED_KEPT``.
+        self.ended: OrderedDict[str, Ended] = OrderedDict()
 
     def get(self, session_id: str) -> Session | None:
         return self.sessions.get(session_id)
@@ -93,6 +110,9 @@ class SessionStore:
                 header.get("meta") or {},
             )
             return
+        if op == "close":
+            self._close(header)
+            return
         session = self.sessions.get(header["id"])
         if session is None:  # a record for a session closed before: nothing to change
             return
@@ -106,16 +126,26 @@ class SessionStore:
         elif op == "reward":
             session.reward = header["reward"]
             session.last_at = max(session.last_at, header["at"])
-        elif op == "close":
-            del self.sessions[header["id"]]
-            self.closed[header["how"]] = self.closed.get(header["how"], 0) + 1
         else:
             raise ValueError(f"unknown gateway event {op!r}")
 
+    def _close(self, header: dict[str, Any]) -> None:
+        """A session ended (or, from a snapshot, one remembered as ended: counted no more)."""
+        session = self.sessions.pop(header["id"], None)
+        if session is not None:
+            self.closed[header["how"]] = self.closed.get(header["how"], 0) + 1
+        task_type = header.get("t") or (session.task_type if session is not None else "")
+        self.ended[header["id"]] = Ended(header["how"], task_type, header.get("uid"))
+        self.ended.move_to_end(header["id"])
+        while len(self.ended) > ENDED_KEPT:
+            self.ended.popitem(last=False)
+
     def snapshot(self) -> Iterator[bytes]:
-        """The open sessions as the events that rebuild them (called under the buffer's lock:
-        references are taken now; the calls are immutable once recorded)."""
+        """The open sessions, and those remembered as ended, as the events that rebuild them
+        (called under the buffer's lock: references are taken now; the calls are immutable once
+        recorded)."""
         sessions = [(s.open_header(), list(s.calls), s.reward, s.last_at) for s in self.sessions.values()]
+        ended = list(self.ended.items())
 
         def records() -> Iterator[bytes]:
             for header, calls, reward, last_at in sessions:
@@ -126,5 +156,15 @@ class SessionStore:
                     yield encode(
                         {"e": EVENT_KIND, "op": "reward", "id": header["id"], "reward": reward, "at": last_at}
                     )
+            for session_id, how_ended in ended:
+                yield encode(close_header(session_id, how_ended))
 
         return records()
+
+
+def close_header(session_id: str, ended: Ended) -> dict[str, Any]:
+    """The ``close`` event of a session that ended as ``ended``."""
+    header = {"e": EVENT_KIND, "op": "close", "id": session_id, "how": ended.how, "t": ended.task_type}
+    if ended.uid is not None:
+        header["uid"] = ended.uid
+    return header

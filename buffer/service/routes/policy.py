@@ -11,7 +11,9 @@ generator in a worker process or elsewhere, mirroring the gate through ``GET /po
 has said its gate is closed for this pause with nothing past it; ``in_flight`` counts them all.
 An engine that refuses or cannot be reached makes the answer a 409 naming it, never ``drained:
 true``; the gate stays closed until the resume. The engine URLs are checked as a job's are
-(http(s), ``--allowed-engine-hosts``): a 422 otherwise.
+(http(s), ``--allowed-engine-hosts``), at most ``MAX_ENGINE_URLS`` of at most
+``MAX_ENGINE_URL_CHARS`` characters: a 422 otherwise. The resume tells only the engines the
+last pause named, and forgets them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ logger = logging.getLogger(__name__)
 router = APIRouter()
 
 Version = Annotated[int, Field(ge=0, le=2**63 - 1, strict=True)]
+#: Engines one pause may name (a trainer names its engines or its router), and a URL's length.
+MAX_ENGINE_URLS = 64
+MAX_ENGINE_URL_CHARS = 2048
+EngineUrl = Annotated[str, Field(min_length=1, max_length=MAX_ENGINE_URL_CHARS)]
 
 
 class VersionRequest(BaseModel):
@@ -53,11 +59,12 @@ class PauseRequest(BaseModel):
         description="abort: engines abort in-flight requests, continued after resume; drain: they finish",
     )
     timeout_s: float = Field(60.0, ge=0, le=3600, description="wait at most this long for in-flight requests")
-    engine_urls: list[str] | None = Field(
+    engine_urls: list[EngineUrl] | None = Field(
         None,
+        max_length=MAX_ENGINE_URLS,
         description="engines (or routers) to abort in flight at the pause and to resume: SGLang's "
         "/pause_generation and /continue_generation, vLLM's /pause?mode=abort and /resume (vLLM serves them "
-        "with VLLM_SERVER_DEV_MODE=1)",
+        "with VLLM_SERVER_DEV_MODE=1); only this pause's are told at the resume",
     )
     engine: Literal["auto", "vllm", "sglang"] = Field(
         "auto", description="the engines' kind; auto: SGLang's routes, else vLLM's, found per URL"
@@ -112,9 +119,7 @@ async def pause(
     if body.engine_urls:  # http(s), and the hosts a job may call (--allowed-engine-hosts): else a 422
         await svc.jobs.check({"engine_urls": body.engine_urls})
     policy.pause(body.mode)
-    if body.engine_urls is not None:
-        policy.engine_urls = list(body.engine_urls)
-        policy.engine_kind = body.engine
+    policy.name_engines(body.engine_urls or [], body.engine)
     answers: list[EngineAnswer] = []
     if body.mode == "abort":
         # Workers' gates closed first: what the engines abort is then held there until the
@@ -144,8 +149,10 @@ async def resume(
     policy: Annotated[Policy, Depends(_policy)], body: Annotated[ResumeRequest | None, Body()] = None
 ) -> Response:
     body = body or ResumeRequest()
+    told = policy.engine_urls
     answers = await _tell(policy, "resume") if policy.mode == "abort" else []
     policy.resume(body.version)
+    policy.forget_engines(told)
     failed = [answer for answer in answers if not answer.ok]
     state = {**_state(policy), "engines": {answer.url: answer.detail for answer in answers}}
     if failed:

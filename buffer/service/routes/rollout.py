@@ -27,7 +27,9 @@ async def start_rollout(body: StartRolloutRequest, svc: Annotated[Services, Depe
     """Start the task's generator in the background; buffered data is never dropped.
 
     A task already running answers with its running job unless the payload says
-    ``"restart": true``.
+    ``"restart": true``. A task whose last job, of this generator and plan, did not finish
+    (failed, cancelled, not resumed after a crash) gets a job that makes only what that one did
+    not; ``"restart": true`` makes the whole plan again.
     """
     check_storable(body)  # before anything starts: the job's data is journaled as it came
     await asyncio.to_thread(svc.registry.refresh)  # pick up new and edited generator files
@@ -51,7 +53,7 @@ async def _start(body: StartRolloutRequest, generator: Generator, name: str, svc
             svc.buffer.configure_task(name, settings, generator.hooks, hooks_source=body.task_type)
         await svc.buffer.wait_durable()
         _start_admission(svc, name, settings, body)
-        job = svc.jobs.start(generator, data, name=name)
+        job = svc.jobs.start(generator, data, name=name, restart=body.restart)
         message = "Rollout started"
     else:
         job, message = running, "Rollout already running"

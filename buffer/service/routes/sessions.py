@@ -5,7 +5,8 @@ GET  /sessions/{id}                             its state: calls, tree, reward
 POST /sessions/{id}/v1/chat/completions         proxied to the engine and recorded
 GET  /sessions/{id}/v1/models                   the engine's models
 POST /sessions/{id}/reward                      {"reward": number | {name: number}}
-POST /sessions/{id}/end                         write the trajectory (or {"discard": true})
+POST /sessions/{id}/end                         write the trajectory (or {"discard": true}); retried
+                                                once ended: what the first end did
 GET  /images/{sha256}                           an image a trajectory keeps by reference
 """
 
@@ -25,8 +26,8 @@ from buffer import encoding, storable
 from buffer.errors import InvalidInput, NotFound
 from buffer.service.gateway.images import media_type
 from buffer.service.gateway.proxy import for_agent, stream_chunks
-from buffer.service.gateway.service import Gateway
-from buffer.service.gateway.sessions import MAX_METADATA_BYTES, MAX_SESSION_TIMEOUT_S
+from buffer.service.gateway.service import Gateway, SessionUnusable
+from buffer.service.gateway.sessions import MAX_METADATA_BYTES, MAX_SESSION_TIMEOUT_S, Ended
 from buffer.service.models import FiniteNumber, InstanceId, Int64, check_storable
 from buffer.service.responses import envelope
 from buffer.toolkit.llm import LLMError
@@ -206,6 +207,9 @@ async def end(session_id: str, request: Request, body: EndBody | None = None) ->
     gateway = _gateway(request)
     body = body or EndBody()
     check_storable(body)
+    ended = gateway.ended(session_id)
+    if ended is not None:
+        return _ended_before(session_id, ended, body)
     result = await gateway.end(
         gateway.session(session_id), reward=body.reward, discard=body.discard, call=body.call
     )
@@ -215,6 +219,24 @@ async def end(session_id: str, request: Request, body: EndBody | None = None) ->
         True,
         "session written",
         {"written": True, "uid": result.uid, "task_type": result.task_type, "duplicate": result.duplicate},
+    )
+
+
+def _ended_before(session_id: str, ended: Ended, body: EndBody) -> Response:
+    """An end of a session already ended (a retry whose first answer was lost, or sent before
+    a restart): what that end did. A written one is not written again (its uid is the same);
+    one discarded cannot be written now."""
+    if ended.how == "written":
+        return envelope(
+            True,
+            "session already ended: written",
+            {"written": True, "uid": ended.uid, "task_type": ended.task_type, "duplicate": True},
+        )
+    if body.discard:
+        return envelope(True, "session already ended: discarded", {"written": False})
+    raise SessionUnusable(
+        f"session {session_id!r} already ended and was discarded (ended with discard, or timed out): "
+        "nothing can be written now"
     )
 
 

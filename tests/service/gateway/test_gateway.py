@@ -546,3 +546,41 @@ def test_an_sdk_agent_through_the_gateway_against_the_simulator(
         for t in turns
     ]
     assert_token_faithful(trajectory, calls)  # the second prompt extends the first prompt and reply
+
+
+def test_an_end_retried_once_the_session_ended_answers_what_the_first_end_did(
+    tmp_path: Path, generator_dir: Path, engine: str
+) -> None:
+    settings = Settings(generator_dir=generator_dir, port=8889, group_size=2, data_dir=tmp_path / "data")
+
+    def end(client: TestClient, session: dict[str, Any], **body: Any) -> httpx.Response:
+        return client.post(f"/sessions/{session['session_id']}/end", json=body)
+
+    with TestClient(create_app(settings)) as client:
+        written = open_session(client, engine)
+        sdk(client, written).chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "hi"}]
+        )
+        first = end(client, written, reward=1.0).json()["data"]
+        assert first["written"] is True
+        again = end(client, written, reward=1.0)
+        assert again.status_code == 200, again.text
+        assert again.json()["data"] == {**first, "duplicate": True}
+        discarded = open_session(client, engine, "q2")
+        assert end(client, discarded, discard=True).json()["data"] == {"written": False}
+        assert end(client, discarded, discard=True).json()["data"] == {"written": False}
+        refused = end(client, discarded, reward=1.0)
+        assert refused.status_code == 409
+        assert "discarded" in refused.json()["message"]
+    with TestClient(create_app(settings)) as client:  # the end's answer lost, the service restarted
+        again = end(client, written, reward=1.0)
+        assert again.status_code == 200, again.text
+        assert again.json()["data"]["uid"] == first["uid"]
+        client.app.state.services.buffer.journal.compact()
+    with TestClient(create_app(settings)) as client:  # remembered through a snapshot too
+        assert end(client, written, reward=1.0).json()["data"]["uid"] == first["uid"]
+        (trajectory,) = read_all(client)  # written once
+    assert trajectory["uid"] == first["uid"]
+    never = {"session_id": "never-opened"}
+    with TestClient(create_app(settings)) as client:
+        assert end(client, never).status_code == 404
