@@ -439,6 +439,15 @@ class RolloutBuffer:
             task.expire(self._clock())
             return self._ledger.resume_point(task)
 
+    def known_resume_point(self, task_type: str) -> dict[str, Any] | None:
+        """``resume_point`` of a task the buffer knows; None for any other (none is made)."""
+        with self._lock:
+            task = self._tasks.get(task_type)
+            if task is None:
+                return None
+            task.expire(self._clock())
+            return self._ledger.resume_point(task)
+
     # -- extensions --------------------------------------------------------------------
 
     def add_extension(self, kind: str, extension: Extension) -> None:

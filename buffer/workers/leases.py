@@ -20,12 +20,19 @@ What is done is kept compactly and not for ever: per epoch, one bit mask of made
 instance; workers report how many items each epoch of their plan has, and an epoch whose items
 are all made is forgotten but for its number (any item of it is refused at once). A job's run
 opens a board of its own for its task (``open``) and drops it when it ends (``close``).
+
+Each board of a task has an ``identity``, new with every board (every ``open``, and every start
+of the service, whose boards are in memory only). A worker names the one it claims from; one that
+is not the task's board now is granted nothing and told the new identity: the new board knows
+nothing of what was made before it, so the worker first learns the task's resume point and walks
+its plan again from there (``buffer.toolkit.leased``), offering only items still to make.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +73,7 @@ class _Section:
     odd: set[str] = field(default_factory=set)  # made keys a plan does not make (never forgotten)
     sizes: dict[str, int] = field(default_factory=dict)  # epoch -> items in the workers' plan
     made: int = 0  # items granted here and made, all epochs
+    identity: str = field(default_factory=lambda: uuid.uuid4().hex)  # this board's, new per board
 
     def is_made(self, key: str) -> bool:
         parts = split_key(key)
@@ -126,6 +134,12 @@ class LeaseBoard:
             if self._tasks.get(task_type) is opened:
                 del self._tasks[task_type]
 
+    def identity(self, task_type: str) -> str | None:
+        """The identity of the task's board now (None: it has none)."""
+        with self._lock:
+            section = self._tasks.get(task_type)
+            return None if section is None else section.identity
+
     def own(self, task_type: str, worker: str) -> None:
         """``worker`` is the service's: its leases outlive their expiry until ``release``."""
         with self._lock:
@@ -160,15 +174,20 @@ class LeaseBoard:
         offer: Iterable[str],
         ttl_s: float,
         plan: Mapping[str, int] | None = None,
+        board: str | None = None,
     ) -> list[str]:
         """Grant ``worker`` the offered items nobody holds and none has made; renew its leases.
-        ``plan``: how many items each epoch of the worker's plan has (sent once). A claim that
-        would take the board past its bounds is refused whole (``InvalidInput``)."""
+        ``plan``: how many items each epoch of the worker's plan has (sent once). ``board``: the
+        identity of the board the worker claims from; if it is not this one, nothing is granted
+        (the worker walks its plan from the resume point first). A claim that would take the
+        board past its bounds is refused whole (``InvalidInput``)."""
         offer = list(offer)
         with self._lock:
             self._check_room(task_type, worker, len(offer), len(plan or ()))
             section = self._tasks.setdefault(task_type, _Section())
             holder = self._renew(section, worker, ttl_s)
+            if board is not None and board != section.identity:
+                return []
             if plan:
                 for epoch, size in plan.items():
                     section.sizes[epoch] = max(section.sizes.get(epoch, 0), int(size))
@@ -183,16 +202,21 @@ class LeaseBoard:
                 granted.append(key)
             return granted
 
-    def orphans(self, task_type: str, worker: str, limit: int, ttl_s: float) -> tuple[list[str], int, int]:
+    def orphans(
+        self, task_type: str, worker: str, limit: int, ttl_s: float, board: str | None = None
+    ) -> tuple[list[str], int, int]:
         """Grant ``worker`` up to ``limit`` released items (and those of other workers silent
         past their expiry), a group's repeats together; also how many items other workers
         hold, and how many of the plan nobody holds or made (a worker lost before claiming
-        them: walk the plan again)."""
+        them: walk the plan again). ``board`` as for ``claim``: another board's worker is
+        granted nothing."""
         with self._lock:
             self._check_room(task_type, worker, 0, 0)
             section = self._tasks.setdefault(task_type, _Section())
             now = self._clock()
             holder = self._renew(section, worker, ttl_s)
+            if board is not None and board != section.identity:
+                return [], 0, 0
             for name, state in list(section.holders.items()):
                 if name != worker and name not in section.owned and state.expires <= now:
                     self._release(section, name)

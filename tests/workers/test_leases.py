@@ -289,9 +289,10 @@ def test_a_job_in_the_services_process_claims_from_the_board_itself(
 def test_the_lease_routes_take_the_plan_and_say_what_nobody_holds(client: TestClient) -> None:
     body = {"worker": "a", "offer": ["0|q1|0", "0|q1|1"], "ttl_s": 5, "plan": {"0": 4}}
     response = client.post("/tasks/math/leases", json=body)
-    assert response.json()["data"] == {"granted": ["0|q1|0", "0|q1|1"]}
+    board = response.json()["data"]["board"]  # the identity of the task's board
+    assert response.json()["data"] == {"granted": ["0|q1|0", "0|q1|1"], "board": board}
     response = client.post("/tasks/math/leases/orphans", json={"worker": "b", "limit": 10})
-    assert response.json()["data"] == {"granted": [], "held_by_others": 2, "unmade": 2}
+    assert response.json()["data"] == {"granted": [], "held_by_others": 2, "unmade": 2, "board": board}
     response = client.post("/tasks/math/leases", json={"worker": "a", "plan": {"0": -1}})
     assert response.status_code == 422
 

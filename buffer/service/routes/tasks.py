@@ -78,6 +78,9 @@ class LeaseClaim(BaseModel):
         default_factory=list, max_length=10_000
     )
     ttl_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False)
+    board: Annotated[StrictStr, Field(max_length=64)] | None = Field(
+        None, description="the identity of the board the worker claims from (from its last answer)"
+    )
     plan: (
         dict[
             Annotated[StrictStr, Field(max_length=MAX_KEY_CHARS)],
@@ -97,14 +100,18 @@ class OrphanClaim(BaseModel):
     worker: Annotated[StrictStr, Field(min_length=1, max_length=200)]
     limit: int = Field(64, ge=0, le=10_000)
     ttl_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False)
+    board: Annotated[StrictStr, Field(max_length=64)] | None = None
 
 
 @router.post("/{name}/leases")
 async def claim_leases(name: str, body: LeaseClaim, svc: Annotated[Services, Depends(services)]) -> Response:
     """Grant the worker the offered work items (``epoch|instance_id|repeat``) that nobody holds
-    and none has made; renew its leases (an empty offer is a heartbeat)."""
-    granted = svc.jobs.leases.claim(name, body.worker, body.offer, body.ttl_s, body.plan)
-    return envelope(True, f"{len(granted)} granted", {"granted": granted})
+    and none has made; renew its leases (an empty offer is a heartbeat). ``board``: the identity
+    of the task's board now; a claim naming another board is granted nothing (the board is new:
+    the worker walks its plan from the task's ``resume_point`` first)."""
+    board = svc.jobs.leases
+    granted = board.claim(name, body.worker, body.offer, body.ttl_s, body.plan, body.board)
+    return envelope(True, f"{len(granted)} granted", {"granted": granted, "board": board.identity(name)})
 
 
 @router.post("/{name}/leases/orphans")
@@ -113,9 +120,24 @@ async def claim_orphans(
 ) -> Response:
     """Grant the worker items whose worker stopped; how many others hold, and how many items of
     the plan nobody holds or made."""
-    granted, held_by_others, unmade = svc.jobs.leases.orphans(name, body.worker, body.limit, body.ttl_s)
+    board = svc.jobs.leases
+    granted, held_by_others, unmade = board.orphans(name, body.worker, body.limit, body.ttl_s, body.board)
     return envelope(
         True,
         f"{len(granted)} granted",
-        {"granted": granted, "held_by_others": held_by_others, "unmade": unmade},
+        {
+            "granted": granted,
+            "held_by_others": held_by_others,
+            "unmade": unmade,
+            "board": board.identity(name),
+        },
     )
+
+
+@router.get("/{name}/resume_point")
+async def resume_point(name: str, svc: Annotated[Services, Depends(services)]) -> Response:
+    """What the task's job has produced since it started (``RolloutBuffer.resume_point``): a
+    lease worker whose board changed (a restarted service) walks its plan from here, so it
+    offers only what is still to make. Empty for a task the buffer does not know."""
+    point = svc.buffer.known_resume_point(name) or {"finished_groups": [], "open_groups": []}
+    return envelope(True, f"resume point of {name}", {"resume": point})
