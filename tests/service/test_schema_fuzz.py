@@ -7,6 +7,7 @@ groups ready to read.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,7 @@ def _bounded_wait(value: Any) -> Any:
 
 
 FUZZ = settings(
-    max_examples=25,
+    max_examples=int(os.environ.get("ROLLOUT_BUFFER_FUZZ_EXAMPLES", "25")),
     deadline=None,
     suppress_health_check=[
         HealthCheck.function_scoped_fixture,  # on purpose: one app per operation, across its examples
