@@ -57,20 +57,29 @@ class Signal:
         """Return at the next ``notify``, or after ``timeout_s``."""
         await self.ticket().wait(timeout_s)
 
-    async def wait_until(self, condition: Callable[[], bool], timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for ``condition()``, checked at each ``notify``; returns its
-        last value. The ticket is taken before each check, so a notify in between is not missed."""
-        deadline = time.monotonic() + timeout_s
+    async def wait_until(
+        self,
+        condition: Callable[[], bool],
+        timeout_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        poll_s: float | None = None,
+    ) -> bool:
+        """Wait up to ``timeout_s`` (by ``clock``) for ``condition()``, checked at each
+        ``notify`` and, with ``poll_s``, at least that often (for a condition that time alone
+        can make true); returns its last value. The ticket is taken before each check, so a
+        notify in between is not missed."""
+        deadline = clock() + timeout_s
         while True:
             ticket = self.ticket()
             if condition():
                 ticket.cancel()
                 return True
-            remaining = deadline - time.monotonic()
+            remaining = deadline - clock()
             if remaining <= 0:
                 ticket.cancel()
                 return False
-            await ticket.wait(remaining)
+            await ticket.wait(remaining if poll_s is None else min(remaining, poll_s))
 
     def _forget(self, ticket: Ticket) -> None:
         with self._lock, contextlib.suppress(ValueError):

@@ -132,17 +132,8 @@ class Gate:
 
     async def drained(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for no request to be in flight."""
-        deadline = self._clock() + timeout_s
-        while True:
-            ticket = self._idle.ticket()
-            if self.in_flight <= 0:
-                ticket.cancel()
-                return True
-            left = deadline - self._clock()
-            if left <= 0:
-                ticket.cancel()
-                return False
-            await ticket.wait(min(left, 0.5))
+        idle = self._idle
+        return await idle.wait_until(lambda: self.in_flight <= 0, timeout_s, clock=self._clock, poll_s=0.5)
 
     def paused_between(self, start: float, end: float) -> float:
         """Seconds of [start, end] (``time.monotonic``) the gate was closed."""

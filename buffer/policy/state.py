@@ -178,17 +178,7 @@ class Policy:
         pause, whatever it still has in flight. An abort waits for this: a request an engine
         aborts before the worker's gate is closed is continued at once and sent to the paused
         engine, where it stays in flight until the resume."""
-        deadline = self._clock() + timeout_s
-        while True:
-            ticket = self.reported.ticket()
-            if self._workers_closed():
-                ticket.cancel()
-                return True
-            left = deadline - self._clock()
-            if left <= 0:
-                ticket.cancel()
-                return False
-            await ticket.wait(min(left, 1.0))
+        return await self._reported_until(self._workers_closed, timeout_s)
 
     async def drained(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for no engine request in flight: none past the service's own
@@ -198,15 +188,16 @@ class Policy:
         while True:
             if not await self.gate.drained(max(0.0, deadline - self._clock())):
                 return False
-            ticket = self.reported.ticket()
-            if self._workers_drained() and self.gate.in_flight <= 0:
-                ticket.cancel()
-                return True
-            left = deadline - self._clock()
-            if left <= 0:
-                ticket.cancel()
+            workers = await self._reported_until(self._workers_drained, max(0.0, deadline - self._clock()))
+            if not workers:
                 return False
-            await ticket.wait(min(left, 1.0))  # a grace running out notifies nobody
+            if self.gate.in_flight <= 0:
+                return True
+
+    async def _reported_until(self, condition: Callable[[], bool], timeout_s: float) -> bool:
+        """``condition`` of the workers' reports, checked at each report and each second (a
+        grace running out notifies nobody)."""
+        return await self.reported.wait_until(condition, timeout_s, clock=self._clock, poll_s=1.0)
 
     # -- admission ---------------------------------------------------------------------
 
