@@ -29,6 +29,7 @@ from buffer.service.jobs import MAX_WORKER_RESTARTS, JobManager, JobStatus
 from buffer.service.settings import Settings
 from buffer.workers.process import WorkerOutcome
 from buffer.workers.spec import WorkerSpec
+from tests.support.calls import wait_for
 from tests.support.factories import trajectory
 from tests.support.paths import REPO
 
@@ -142,16 +143,6 @@ async def run_rollout(data):
 def totals(client: httpx.Client) -> dict[str, Any]:
     stats: dict[str, Any] = client.get("/buffer/stats").json()["data"]["data"][0]
     return stats
-
-
-def wait_for(check: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.mark.e2e

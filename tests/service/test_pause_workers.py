@@ -14,7 +14,6 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -22,15 +21,7 @@ import pytest
 from buffer.policy import Policy
 from buffer.policy.state import WORKER_GRACE_S
 from buffer.toolkit.remote_policy import RemotePolicy
-
-
-def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+from tests.support.calls import wait_for
 
 
 @pytest.mark.e2e

@@ -8,9 +8,8 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from fastapi.testclient import TestClient
 from buffer.paths import ROOT
 from buffer.processes import free_port, wait_ready
 from buffer.workers.leases import LeaseBoard
+from tests.support.calls import wait_for
 
 
 def test_each_board_has_its_own_identity_and_grants_nothing_to_a_worker_of_another() -> None:
@@ -93,15 +93,6 @@ def _service(port: int, data_dir: Path, generators: Path, log: Path) -> Iterator
         process.wait()
 
 
-def _wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _written(client: httpx.Client) -> int:
     stats = client.get("/buffer/stats").json()["data"]["data"]
     return int(stats[0]["total_written"]) if stats else 0
@@ -154,7 +145,7 @@ def test_remote_lease_workers_make_each_item_once_across_a_service_restart(
                         )
                         for index in range(2)
                     ]
-                _wait_for(lambda: _written(client) >= PLAN // 2, 60, "half the plan written")
+                wait_for(lambda: _written(client) >= PLAN // 2, 60, "half the plan written")
             service.send_signal(signal.SIGKILL)
             service.wait()
         with (
@@ -168,7 +159,7 @@ def test_remote_lease_workers_make_each_item_once_across_a_service_restart(
                 jobs = client.get("/jobs").json()["data"]["jobs"]
                 return bool(jobs) and all(job["status"] != "running" for job in jobs)
 
-            _wait_for(job_done, 30, "the resumed job")
+            wait_for(job_done, 30, "the resumed job")
             while batch := client.post(
                 "/get_rollout_data", json={"task_type": task, "batch_size": -1}
             ).json()["data"]["data"]:
