@@ -70,11 +70,17 @@ class Server:
         python: str = sys.executable,
         entry: Path = REPO / "buffer.py",
         module: str | None = None,
+        port: int = 0,
+        env: dict[str, str] | None = None,
     ) -> None:
         """``module`` runs ``python -m module --host --port ...extra_args`` instead (e.g. the
-        simulated policy server, ``buffer.simulator``)."""
+        simulated policy server, ``buffer.simulator``). ``port``: this one at every start
+        (a restart on the same address, as its clients expect), else a free one each time;
+        ``env``: variables added to the process's environment."""
         self.entry = entry
         self.module = module
+        self.fixed_port = port
+        self.env = env
         self.group_size = group_size
         self.extra_args = list(extra_args)
         self.startup_timeout_s = startup_timeout_s
@@ -98,41 +104,58 @@ class Server:
                     raise RuntimeError(f"the server did not start; its log:\n{self.log_text()}")
         except BaseException:
             self.stop()
+            self.close_log()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+        self.close_log()
 
     def _start(self) -> bool:
+        self.launch()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            answered = self.answers()
+            if answered is not None:
+                return answered
+            time.sleep(0.05)
+        return False
+
+    def launch(self) -> None:
+        """Start the process (stopping the one before, if any) without waiting for it: poll
+        ``answers()`` until it does. Call from the thread that lives as long as the server: the
+        server gets SIGTERM when that thread ends (``PR_SET_PDEATHSIG``)."""
         self.stop()
-        self.port = free_port()
+        self.port = self.fixed_port or free_port()
         self.url = f"http://{HOST}:{self.port}"
         program = (
             ["-m", self.module] if self.module else [str(self.entry), "--group-size", str(self.group_size)]
         )
         cmd = [self.python, *program, "--host", HOST, "--port", str(self.port), "--log-level", "warning"]
         cmd += self.extra_args
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
+        if self._log is None:  # one log for every start: a restart's reasons stay readable
+            self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close_log())
         self.process = subprocess.Popen(
             cmd,
             cwd=REPO,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env} if self.env else None,
             start_new_session=True,  # Ctrl-C reaches the benchmark, which then stops the server
             preexec_fn=_die_with_parent,
         )
-        deadline = time.monotonic() + self.startup_timeout_s
-        with httpx.Client(base_url=self.url, timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    return False
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get("/health").status_code == 200:
-                        return True
-                time.sleep(0.05)
-        return False
+
+    def answers(self) -> bool | None:
+        """One probe of ``/health``: True when it answers 200, False when the process has exited,
+        None while it starts."""
+        if self.process is None or self.process.poll() is not None:
+            return False
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{self.url}/health", timeout=2.0, trust_env=False).status_code == 200:
+                return True
+        return None
 
     def log_text(self) -> str:
         if self._log is None:
@@ -149,6 +172,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+    def close_log(self) -> None:
         if self._log is not None:
             self._log.close()
             self._log = None

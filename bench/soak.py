@@ -70,12 +70,18 @@ class Target:
         self.reading = asyncio.Event()  # a read is in flight
 
 
+def writing(args: argparse.Namespace, ledger: Ledger, deadline: float) -> bool:
+    """Until ``--seconds`` have passed, and then until ``--min-acked`` writes are acknowledged
+    and ``--kills`` kills made: a slow machine takes longer, never does less."""
+    return time.monotonic() < deadline or len(ledger.acked) < args.min_acked or ledger.kills < args.kills
+
+
 async def writer(
     index: int, target: Target, args: argparse.Namespace, ledger: Ledger, deadline: float
 ) -> None:
     async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
         number = 0
-        while time.monotonic() < deadline:
+        while writing(args, ledger, deadline):
             instance_id = f"w{index}-{number}"
             number += 1
             for k in range(args.group_size):
@@ -127,7 +133,7 @@ async def reader(target: Target, ledger: Ledger, stop: asyncio.Event, every_s: f
 
 async def killer(target: Target, ledger: Ledger, args: argparse.Namespace, deadline: float) -> None:
     every_s = args.kill_every
-    while time.monotonic() + every_s < deadline:
+    while ledger.kills < args.kills if args.kills else time.monotonic() + every_s < deadline:
         await asyncio.sleep(every_s)
         ledger.compactions += await asyncio.to_thread(compactions, target.url)
         if args.kill_on_read:  # within a few milliseconds of a read reaching the server
@@ -252,8 +258,19 @@ def main(argv: list[str] | None = None) -> int:
         "--code", type=Path, default=None, help="run the service checked out in this folder (e.g. main's)"
     )
     parser.add_argument("--drain-s", type=float, default=30.0, help="how long readers may take to drain")
+    parser.add_argument(
+        "--kills",
+        type=int,
+        default=0,
+        help="with --kill-every: this many kills, however long they take",
+    )
+    parser.add_argument(
+        "--min-acked", type=int, default=0, help="write past --seconds until this many are acknowledged"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     args = parser.parse_args(argv)
+    if args.kills and not args.kill_every:
+        parser.error("--kills needs --kill-every")
     if args.kill_every and args.memory:
         parser.error("--kill-every needs the data folder (without --memory)")
     common.raise_on_sigterm()

@@ -68,7 +68,12 @@ class JobContext:
     lease_board: LeaseBoard | None = field(default=None, repr=False)
     #: Tasks its generator leaves running until the run ends (the leases' heartbeat).
     background: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
+    #: Trajectories a buffer refused as invalid, whichever sink of the job wrote them, and why
+    #: the first was: a job that lost any fails (``refusal``), even if its generator went on.
+    refused: int = 0
+    first_refusal: str | None = None
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    _refusals: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def cancel_requested(self) -> bool:
@@ -79,6 +84,19 @@ class JobContext:
     def request_cancel(self) -> None:
         """Mark the job cancelled (the service's cancel, a worker's SIGTERM); thread-safe."""
         self._cancel.set()
+
+    def record_refusal(self, reason: str) -> None:
+        """A sink of the job had a trajectory refused (thread-safe: a sync generator's own)."""
+        with self._refusals:
+            self.refused += 1
+            if self.first_refusal is None:
+                self.first_refusal = reason[:500]
+
+    def refusal(self) -> str | None:
+        """What fails the job when its sinks had trajectories refused; None when none were."""
+        if not self.refused:
+            return None
+        return f"the buffer refused {self.refused} trajectories of the job (the first: {self.first_refusal})"
 
     def may_send_api_key(self, url: str) -> bool:
         """Whether the service's own key may go to ``url`` (one of ``api_key_hosts``)."""

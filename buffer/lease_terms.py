@@ -17,6 +17,19 @@ MAX_REPEAT_BIT = 4096
 DEFAULT_CHUNK = 64
 
 
+class PlanFinished(Exception):
+    """The task's job made its whole plan: its board grants nothing more; a worker stops."""
+
+
+class Settling(Exception):
+    """The board is new and may not know what workers had in flight before it: it grants only
+    what a worker claims again as its own in flight for ``seconds`` more; claim again after."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the lease board settles for {seconds:.1f} s more")
+        self.seconds = seconds
+
+
 def item_key(epoch: Any, instance_id: Any, repeat: Any) -> str:
     """A work item, one trajectory of the plan: ``epoch|instance_id|repeat``."""
     return f"{epoch}|{instance_id}|{repeat}"

@@ -4,10 +4,11 @@ The service starts a generator job for a task (``/start_rollout``); the ledger r
 started it (``job``), that it ended (``job_end``), that a clean shutdown paused it
 (``job_pause``) and how many times in a row it was running when the service died without
 progress since its last start (``job_resume``), each as a record kept with the buffer's own.
-While a job runs, its task counts the groups of each instance that finish
-(``TaskBuffer.start_job_count``), so a job resumed after a restart is told what it already
-made (``resume_point``) and makes only the rest. ``RolloutBuffer`` calls it under its lock,
-and replays its records through ``apply``.
+While a job runs, its task counts the groups of each instance and epoch that finish
+(``TaskBuffer.start_job_count``; the epoch the trajectories' ``extra_info.epoch`` says, kept in
+the group's ``fin`` record), so a job resumed after a restart is told what it already made
+(``resume_point``) and makes only the rest. ``RolloutBuffer`` calls it under its lock, and
+replays its records through ``apply``.
 
 A job that ends without finishing (failed, cancelled, not resumed) is kept as ``unfinished``
 with its generator and its plan (a fingerprint of the fields that define it), and its task
@@ -26,7 +27,7 @@ from typing import Any
 
 from buffer import encoding
 from buffer.core.records import encode
-from buffer.core.task import TaskBuffer
+from buffer.core.task import JobGroup, TaskBuffer, epoch_of, extra_int
 
 #: The record kinds the ledger writes and replays.
 KINDS = frozenset({"job", "job_end", "job_pause", "job_resume"})
@@ -132,15 +133,31 @@ class JobLedger:
     @staticmethod
     def resume_point(task: TaskBuffer) -> dict[str, Any]:
         """What the task's job has produced since it started (its timed-out groups finished
-        first): see ``RolloutBuffer.resume_point``."""
-        finished = task.job_finished or Counter()
-        return {
-            "finished_groups": [[instance_id, count] for instance_id, count in finished.items()],
-            "open_groups": [
-                [group.instance_id, [_repeat_of(record.raw) for record in group.records]]
-                for group in task.open.values()
-            ],
+        first): see ``RolloutBuffer.resume_point``. ``finished_groups`` counts every group of an
+        instance, as before epochs were counted, so an older reader still skips as many;
+        ``finished_epochs`` and ``open_epochs`` are there only when some group says its epoch."""
+        per_instance: Counter[Any] = Counter()
+        finished_epochs = []
+        for (instance_id, epoch), count in (task.job_finished or Counter()).items():
+            per_instance[instance_id] += count
+            if epoch is not None:
+                finished_epochs.append([instance_id, epoch, count])
+        open_groups, open_epochs = [], []
+        for group in task.open.values():
+            items = [encoding.loads(record.raw) for record in group.records]
+            open_groups.append([group.instance_id, [extra_int(item, "repeat") for item in items]])
+            epoch = epoch_of(items)
+            if epoch is not None:
+                open_epochs.append([group.instance_id, epoch])
+        point: dict[str, Any] = {
+            "finished_groups": [[instance_id, count] for instance_id, count in per_instance.items()],
+            "open_groups": open_groups,
         }
+        if finished_epochs:
+            point["finished_epochs"] = finished_epochs
+        if open_epochs:
+            point["open_epochs"] = open_epochs
+        return point
 
     # -- a restart -----------------------------------------------------------------------
 
@@ -163,28 +180,32 @@ class JobLedger:
 
     def snapshot(self, tasks: Mapping[str, TaskBuffer]) -> dict[str, dict[str, Any]]:
         """The jobs as a snapshot's ``state`` record keeps them: each with the groups its task
-        finished since it started."""
+        finished since it started, ``finished`` ``[instance_id, count]`` of the groups that
+        say no epoch, ``finished_epochs`` ``[instance_id, epoch, count]`` of the others."""
         jobs = {}
         for name, spec in self.jobs.items():
             task = tasks.get(name)
             finished = task.job_finished if task is not None else None
+            if finished is None:
+                jobs[name] = {**spec, "finished": None}
+                continue
             jobs[name] = {
                 **spec,
-                "finished": list(map(list, finished.items())) if finished is not None else None,
+                "finished": [[iid, count] for (iid, epoch), count in finished.items() if epoch is None],
+                "finished_epochs": [
+                    [iid, epoch, count] for (iid, epoch), count in finished.items() if epoch is not None
+                ],
             }
         return jobs
 
     def restore(self, jobs: dict[str, dict[str, Any]], task_of: Callable[[str], TaskBuffer]) -> None:
-        """Take the jobs from a snapshot's ``state`` record."""
+        """Take the jobs from a snapshot's ``state`` record (one written before epochs were
+        counted has only ``finished``: its groups count as saying no epoch)."""
         self.jobs = jobs
         for task_type, spec in jobs.items():
             finished = spec.pop("finished", None)
+            finished_epochs = spec.pop("finished_epochs", ())
             if finished is not None:
-                task_of(task_type).start_job_count((instance_id, count) for instance_id, count in finished)
-
-
-def _repeat_of(raw: bytes) -> int | None:
-    """A trajectory's ``extra_info.repeat``, where the toolkit wrote one."""
-    extra_info = encoding.loads(raw).get("extra_info")
-    repeat = extra_info.get("repeat") if isinstance(extra_info, dict) else None
-    return repeat if isinstance(repeat, int) and not isinstance(repeat, bool) else None
+                counts: list[tuple[JobGroup, int]] = [((iid, None), count) for iid, count in finished]
+                counts += [((iid, epoch), count) for iid, epoch, count in finished_epochs]
+                task_of(task_type).start_job_count(counts)

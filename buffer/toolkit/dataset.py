@@ -10,12 +10,14 @@ repeated ``num_repeat_per_sample`` times in a row (so its group fills up soon). 
 the ``finished_groups`` the buffer reported, one entry per finished group.
 
 A job the service resumes after a restart gets a ``ResumePoint``, what its first run already
-produced: per instance, how many groups finished and which repeats the open group holds. The
-buffer groups by ``instance_id`` alone (one instance's groups of several epochs are told apart
-only by their order), so that is what it counts: an instance's groups, in plan order, are
-skipped as the trainer's skips are, then as many more as finished, and the next gets only its
-missing repeats. The plan's order is the first run's (same seed), so the groups skipped are
-the ones it made.
+produced: how many groups finished and which repeats the open group holds, per instance and
+epoch where the trajectories said their epoch (``extra_info.epoch``, which ``runner`` writes).
+With several epochs run at once, an instance's group of a later epoch can finish before the
+one of an earlier epoch: those are skipped by their epoch, exactly. The groups that said no
+epoch (a generator not written with the toolkit) are counted per instance alone: an instance's
+groups, in plan order, are skipped as the trainer's skips are, then as many more as finished,
+and the next gets only its missing repeats. The plan's order is the first run's (same seed),
+so the groups skipped are the ones it made.
 
 ``read_rows`` reads only a regular file, of at most ``MAX_FILE_BYTES``, in lines of at most
 ``MAX_LINE_BYTES``: a device (``/dev/zero``), a pipe or a runaway line is an error, not a
@@ -129,21 +131,34 @@ def derive_seed(base_seed: int, instance_id: Any, repeat: int, epoch: int) -> in
 @dataclass(frozen=True, slots=True)
 class ResumePoint:
     """What a job's earlier run produced, per instance id (matched on its text): ``finished``,
-    how many groups finished (delivered, ready, discarded or set aside); ``held``, the repeat
-    of each trajectory the open group holds (``None`` where a trajectory does not say)."""
+    how many groups that said no epoch finished (delivered, ready, discarded or set aside);
+    ``held``, the repeat of each trajectory the open group holds (``None`` where a trajectory
+    does not say); ``finished_epochs``, how many groups of each ``(instance id, epoch)``
+    finished; ``held_epochs``, the epoch of an open group whose trajectories say it."""
 
     finished: Mapping[str, int] = field(default_factory=dict)
     held: Mapping[str, Sequence[int | None]] = field(default_factory=dict)
+    finished_epochs: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    held_epochs: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ResumePoint:
         """From the ``resume`` entry of a resumed job's data: ``{"finished_groups": [[id,
-        count], ...], "open_groups": [[id, [repeat, ...]], ...]}``."""
+        count], ...], "open_groups": [[id, [repeat, ...]], ...], "finished_epochs": [[id, epoch,
+        count], ...], "open_epochs": [[id, epoch], ...]}``, the last two optional (a buffer
+        that counts no epochs sends none). ``finished_groups`` counts every group of an
+        instance, those of ``finished_epochs`` too: what is left counts per instance."""
         finished: Counter[str] = Counter()
         for instance_id, count in data.get("finished_groups", ()):
             finished[str(instance_id)] += int(count)
+        finished_epochs: Counter[tuple[str, int]] = Counter()
+        for instance_id, epoch, count in data.get("finished_epochs", ()):
+            finished_epochs[str(instance_id), _epoch(epoch)] += int(count)
+        for (key, _), count in finished_epochs.items():
+            finished[key] = max(0, finished[key] - count)
         held = {str(instance_id): list(repeats) for instance_id, repeats in data.get("open_groups", ())}
-        return cls(finished, held)
+        held_epochs = {str(instance_id): _epoch(epoch) for instance_id, epoch in data.get("open_epochs", ())}
+        return cls(+finished, held, finished_epochs, held_epochs)
 
     def missing_repeats(self, key: str, group_size: int) -> range | list[int] | None:
         """The repeats the instance's open group still needs; None when it has no open group."""
@@ -154,6 +169,12 @@ class ResumePoint:
         known = {r for r in held if isinstance(r, int) and 0 <= r < group_size}
         candidates = [r for r in range(group_size) if r not in known]
         return candidates[len(candidates) - missing :] if missing else []
+
+
+def _epoch(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"a resume point's epoch must be a whole number >= 0, not {value!r:.50}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +202,7 @@ class Plan:
         skips = Counter(str(instance_id) for instance_id in self.skip_instance_ids)
         progress = self.resume or ResumePoint()
         finished = Counter(progress.finished)
+        finished_epochs = Counter(progress.finished_epochs)
         open_left = set(progress.held)
         every = range(self.num_repeat_per_sample)
         for epoch in range(self.num_epoch):
@@ -192,10 +214,14 @@ class Plan:
                 if skips[key] > 0:
                     skips[key] -= 1
                     continue
-                if finished[key] > 0:
+                if finished_epochs[key, epoch] > 0:  # this very group finished
+                    finished_epochs[key, epoch] -= 1
+                    continue
+                held_epoch = progress.held_epochs.get(key) if key in open_left else None
+                if held_epoch != epoch and finished[key] > 0:  # groups that said no epoch
                     finished[key] -= 1
                     continue
-                if key in open_left:
+                if key in open_left and held_epoch in (None, epoch):
                     open_left.discard(key)
                     repeats = progress.missing_repeats(key, self.num_repeat_per_sample)
                     if repeats:
@@ -249,8 +275,12 @@ class Plan:
         can skip or shorten a row only while one of them is left, so at most this many."""
         skips = Counter(str(instance_id) for instance_id in self.skip_instance_ids)
         progress = self.resume or ResumePoint()
+        # Until an epoch with none of these, each epoch uses up one count or is named by one.
         special = sum(skips.values()) + sum(progress.finished.values()) + len(progress.held)
-        return min(self.num_epoch, special + 1 if special else 0)
+        special += len(progress.finished_epochs)
+        # After it, only the epochs named shorten a row.
+        named = [epoch for _, epoch in progress.finished_epochs] + list(progress.held_epochs.values())
+        return min(self.num_epoch, max(special + 1 if special else 0, max(named, default=-1) + 1))
 
     def total(self) -> int:
         """How many samples iteration yields, without walking every epoch: once the skips and

@@ -24,7 +24,14 @@ nothing of what was made before it: it grants nothing and says its identity, and
 fetches the task's resume point (``GET /tasks/{name}/resume_point``, what its job made), claims
 again on the new board what it still has in flight (its last samples, not made yet: its own,
 not another's to make), and walks its plan from the start again, skipping what was made, so the
-new board is offered only what is still to make.
+new board is offered only what is still to make. A worker over HTTP does the same before its
+first walk (it may start after a restart of the service, whose board knows nothing of what the
+service's earlier lives made).
+
+Every worker tells the board how many items each epoch of its plan has (``plan``), so the board
+forgets an epoch once all of it is made. A new board after a restart *settles* for a lease term
+(``Settling``): it grants only items claimed again as in flight, and the walk claims again
+after the wait. A board whose job made the whole plan answers ``PlanFinished``: the worker stops.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import httpx
 
 from buffer.current import current_job
 from buffer.keys import key_or_env
-from buffer.lease_terms import DEFAULT_CHUNK, item_key, split_key
+from buffer.lease_terms import DEFAULT_CHUNK, PlanFinished, Settling, item_key, split_key
 from buffer.toolkit.dataset import Plan, ResumePoint
 from buffer.toolkit.types import Sample
 
@@ -72,11 +79,17 @@ class Leases(Protocol):
     #: this process, which outlives no run of it).
     board: str | None
 
-    async def claim(self, offer: list[str], plan: dict[str, int] | None = None) -> list[str]: ...
+    async def claim(
+        self, offer: list[str], plan: dict[str, int] | None = None, in_flight: bool = False
+    ) -> list[str]: ...
 
     async def orphans(self, limit: int) -> tuple[list[str], int, int]: ...
 
     async def resume_point(self) -> dict[str, Any]: ...
+
+    async def identity(self) -> str | None:
+        """The identity of the task's board now, for a worker that must learn the task's resume
+        point before it walks (over HTTP); None for one in the service's process."""
 
     async def aclose(self) -> None: ...
 
@@ -91,14 +104,19 @@ class BoardLeases:
         self.ttl_s = ttl_s
         self.board: str | None = None  # the job's own board: it lives as long as the job's run
 
-    async def claim(self, offer: list[str], plan: dict[str, int] | None = None) -> list[str]:
-        return self._board.claim(self._task_type, self.worker, offer, self.ttl_s, plan)
+    async def claim(
+        self, offer: list[str], plan: dict[str, int] | None = None, in_flight: bool = False
+    ) -> list[str]:
+        return self._board.claim(self._task_type, self.worker, offer, self.ttl_s, plan, in_flight=in_flight)
 
     async def orphans(self, limit: int) -> tuple[list[str], int, int]:
         return self._board.orphans(self._task_type, self.worker, limit, self.ttl_s)
 
     async def resume_point(self) -> dict[str, Any]:
         return {}
+
+    async def identity(self) -> str | None:
+        return None
 
     async def aclose(self) -> None:
         return None
@@ -122,12 +140,18 @@ class HttpLeases:
         #: The identity the board gave in its last answer.
         self.seen: str | None = None
 
-    async def claim(self, offer: list[str], plan: dict[str, int] | None = None) -> list[str]:
+    async def claim(
+        self, offer: list[str], plan: dict[str, int] | None = None, in_flight: bool = False
+    ) -> list[str]:
         body: dict[str, Any] = {"worker": self.worker, "offer": offer, "ttl_s": self.ttl_s}
         if plan:
             body["plan"] = plan
+        if in_flight:
+            body["in_flight"] = True
         answer = await self._post(self._path, self._named(body))
         self._check(answer)
+        if answer.get("settle_s"):
+            raise Settling(float(answer["settle_s"]))
         granted: list[str] = answer["granted"]
         return granted
 
@@ -138,14 +162,28 @@ class HttpLeases:
         return answer["granted"], answer["held_by_others"], answer.get("unmade", 0)
 
     async def resume_point(self) -> dict[str, Any]:
-        point: dict[str, Any] = (await self._send("GET", f"{self._task_path}/resume_point"))["resume"]
+        answer = await self._send("GET", f"{self._task_path}/resume_point")
+        if answer.get("finished"):
+            raise PlanFinished(self._task_path)
+        point: dict[str, Any] = answer["resume"]
         return point
+
+    async def identity(self) -> str | None:
+        body = {"worker": self.worker, "offer": [], "ttl_s": self.ttl_s}
+        answer = await self._post(self._path, body)  # a heartbeat naming no board: any answers
+        if answer.get("finished"):
+            raise PlanFinished(self._task_path)
+        identity: str | None = answer.get("board")
+        return identity
 
     def _named(self, body: dict[str, Any]) -> dict[str, Any]:
         return body if self.board is None else {**body, "board": self.board}
 
     def _check(self, answer: dict[str, Any]) -> None:
-        """Note the answering board; ``BoardChanged`` if it is not the one claimed from."""
+        """Note the answering board; ``BoardChanged`` if it is not the one claimed from,
+        ``PlanFinished`` if the task's job made its whole plan."""
+        if answer.get("finished"):
+            raise PlanFinished(self._task_path)
         self.seen = answer.get("board")
         if self.board is None:
             self.board = self.seen
@@ -191,6 +229,10 @@ async def leased(plan: Plan, task_type: str, leases: dict[str, Any]) -> AsyncIte
     heartbeat = asyncio.create_task(_heartbeat(walk), name="lease-heartbeat")
     walked = False
     try:
+        # Over HTTP the board may be a restarted service's, knowing nothing of what its earlier
+        # lives made: the plan from the task's resume point first, as for a board that changed.
+        if (identity := await client.identity()) is not None:
+            await walk.board_changed(identity)
         while True:
             try:
                 async for sample in _walk(walk, index, count, chunk):
@@ -202,6 +244,8 @@ async def leased(plan: Plan, task_type: str, leases: dict[str, Any]) -> AsyncIte
                 await walk.board_changed(str(changed))
             except _Stale:  # the heartbeat met the new board first
                 pass
+    except PlanFinished:
+        logger.info("%s: the task's job made its whole plan: nothing left to make", client.worker)
     finally:
         job = current_job()
         if walked and job is not None:
@@ -229,13 +273,11 @@ class _Walks:
         self.recent = recent
         self.generation = 0
         self.lock = asyncio.Lock()  # a rebuild and the walk's claims, one at a time
-        self.settled_at = 0.0  # the loop's time before which a walk offers nothing new
 
     async def board_changed(self, board: str) -> None:
-        """The board is now ``board``, new (the walk or the heartbeat met it): the plan from the
-        task's resume point, the items in flight claimed again at once (not another's to make),
-        and nothing new offered for ``ttl_s / 2``, the time every other live worker has to meet
-        the new board too (its heartbeat is every ``ttl_s / 3``) and claim its own in flight."""
+        """The board is now ``board``, new (the walk or the heartbeat met it, or the worker's
+        first contact): the plan from the task's resume point, the items in flight claimed again
+        at once (not another's to make; a board settling grants them before anything else)."""
         client = self.client
         async with self.lock:
             while board != client.board:
@@ -245,12 +287,11 @@ class _Walks:
                     point = await client.resume_point()
                     plan = dataclasses.replace(self.plan, resume=ResumePoint.from_json(point))
                     in_flight = _in_plan(plan, self.recent)
-                    kept = await client.claim(in_flight) if in_flight else []
+                    kept = await client.claim(in_flight, in_flight=True) if in_flight else []
                 except BoardChanged as again:  # newer still
                     board = str(again)
                     continue
                 self.plan = plan
-                self.settled_at = asyncio.get_running_loop().time() + client.ttl_s / 2
                 logger.warning(
                     "%s: the lease board is new (a restarted service?): walking the plan again from "
                     "the task's resume point; %d of %d items in flight kept",
@@ -260,24 +301,23 @@ class _Walks:
                 )
 
     async def claim(self, generation: int, offer: list[str], plan: dict[str, int] | None) -> list[str]:
-        """``client.claim`` for the walk of ``generation`` (``_Stale`` once it is not the latest)."""
-        await self._settle()
-        async with self.lock:
-            if generation != self.generation:
-                raise _Stale
-            return await self.client.claim(offer, plan)
+        """``client.claim`` for the walk of ``generation`` (``_Stale`` once it is not the latest);
+        while the board settles, again until it has."""
+        while True:
+            async with self.lock:
+                if generation != self.generation:
+                    raise _Stale
+                try:
+                    return await self.client.claim(offer, plan)
+                except Settling as settling:
+                    wait_s = settling.seconds
+            await asyncio.sleep(min(wait_s, MAX_POLL_S))
 
     async def orphans(self, generation: int, limit: int) -> tuple[list[str], int, int]:
-        await self._settle()
         async with self.lock:
             if generation != self.generation:
                 raise _Stale
             return await self.client.orphans(limit)
-
-    async def _settle(self) -> None:
-        delay = self.settled_at - asyncio.get_running_loop().time()
-        if delay > 0:
-            await asyncio.sleep(delay)
 
 
 async def _walk(walks: _Walks, index: int, count: int, chunk: int) -> AsyncIterator[Sample]:
@@ -285,15 +325,14 @@ async def _walk(walks: _Walks, index: int, count: int, chunk: int) -> AsyncItera
     ``_Stale`` if the plan was rebuilt meanwhile."""
     client, plan, generation = walks.client, walks.plan, walks.generation
     whole = dataclasses.replace(plan, share=(0, 1))
-    # The plan's size per epoch lets the board forget each epoch once made; one worker of the
-    # job tells it (every worker's plan is the same), each epoch with the first claim that
-    # offers items of it: a plan may hold millions of items (slime asks for 100,000 epochs).
-    first_sizes, epoch_size = whole.epoch_sizes() if index == 0 else ({}, 0)
+    # The plan's size per epoch lets the board forget each epoch once made; every worker tells
+    # it (their plans differ when they learned the resume point at different times: the board
+    # keeps the largest), each epoch with the first claim that offers items of it: a plan may
+    # hold millions of items (slime asks for 100,000 epochs).
+    first_sizes, epoch_size = whole.epoch_sizes()
     told: set[int] = set()
 
     def sizes(samples: list[Sample]) -> dict[str, int] | None:
-        if index != 0:
-            return None
         new = {sample.epoch for sample in samples} - told
         told.update(new)
         return {str(epoch): first_sizes.get(epoch, epoch_size) for epoch in sorted(new)} or None
@@ -366,9 +405,9 @@ async def _heartbeat(walks: _Walks) -> None:
             try:
                 await client.claim([])
             except BoardChanged as changed:  # claim what it has in flight on the new board now
-                with contextlib.suppress(httpx.HTTPError):
+                with contextlib.suppress(httpx.HTTPError, PlanFinished):
                     await walks.board_changed(str(changed))
-            except httpx.HTTPError:
+            except (httpx.HTTPError, PlanFinished):  # the walk meets the end of the plan too
                 pass
     finally:
         await client.aclose()

@@ -11,7 +11,9 @@ skipped instances), keeps ``num_process`` trajectories in flight as asyncio task
 operating-system processes), runs each rollout against the policy server, scores it and
 writes it to the buffer. A trajectory that fails after its retries is written with
 ``FAILURE_REWARD`` (the default ``filter_item`` drops it) and counted: never lost silently,
-never with ``content: null``. Progress goes to the log and to the job (``GET /jobs/{id}``).
+never with ``content: null``. One the buffer refuses as invalid is counted (``rejected``), the
+run goes on, and at its end fails with ``RejectedTrajectory`` saying how many and why the
+first. Progress goes to the log and to the job (``GET /jobs/{id}``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import inspect
 import itertools
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Any
@@ -38,6 +39,7 @@ from buffer.logprob_kinds import LogprobsMode
 from buffer.policy import find_policy
 from buffer.policy.admission import Admits
 from buffer.policy.gate import Gate, recording
+from buffer.policy.stale import StaleGroups
 from buffer.toolkit.agent import single_turn
 from buffer.toolkit.dataset import Plan, ResumePoint, read_rows
 from buffer.toolkit.engines import Engine
@@ -46,14 +48,13 @@ from buffer.toolkit.leased import leased
 from buffer.toolkit.llm import ChatClient, ContinuePolicy, EngineClient, LLMStats, RetryPolicy
 from buffer.toolkit.offload import Offload
 from buffer.toolkit.pool import group_key, routing_key
-from buffer.toolkit.records import LogprobsJudge, turn_records
+from buffer.toolkit.records import LogprobsJudge
 from buffer.toolkit.remote_policy import RemotePolicy
 from buffer.toolkit.sink import HttpSink, RejectedTrajectory, TrajectorySink, open_sink
-from buffer.toolkit.stamp import stamp
 from buffer.toolkit.tito import TokenClient, TokenRenderer, tokenizer_for
+from buffer.toolkit.trajectory import build_trajectory
 from buffer.toolkit.transport import Transport
 from buffer.toolkit.types import Completion, Episode, GroupRewardFn, Message, RewardFn, Sample
-from default_func import FAILURE_REWARD
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class RolloutSettings(BaseModel):
     max_continuations: int = Field(8, ge=0, description="continuations of one aborted answer at most")
     progress_interval_s: float = Field(10.0, gt=0)
     capture: bool = Field(True, description="ask the engine for token ids and logprobs; write them as turns")
+    return_routed_experts: bool = Field(False, description="routed experts per turn (MoE routing replay)")
     engine: Engine = Field("auto", description="the policy server: vllm, sglang, or auto (fields of both)")
     token_mode: bool | None = Field(
         None,
@@ -148,6 +150,7 @@ class Progress:
     completed: int = 0
     failed: int = 0
     rejected: int = 0
+    cancelled_stale: int = 0  # samples of groups stale in flight: not written (``buffer.policy.stale``)
     #: Trajectories whose last answer was still aborted after its continuations (written with
     #: ``finish_reason: "abort"``, which the default ``filter_item`` drops).
     aborted: int = 0
@@ -177,7 +180,7 @@ class Progress:
 
     @property
     def in_flight(self) -> int:
-        return self.started - self.completed
+        return self.started - self.completed - self.cancelled_stale
 
     def record(self, completions: list[Completion]) -> None:
         """Count the LLM requests of one episode's completions (a continuation is no retry)."""
@@ -322,6 +325,7 @@ async def run_rollouts(
     elif remote is not None:
         run.admission = remote.admission
     run.stamp_versions = gate is not None
+    run.stale = StaleGroups(gate, data.get("max_staleness"), settings.num_repeat_per_sample, run.admission)
     run.leases = data.get("leases")
     publish = functools.partial(_publish, progress, llm.stats, llm.stats.copy())
     reporter = asyncio.create_task(
@@ -333,14 +337,24 @@ async def run_rollouts(
         reporter.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reporter
-        publish()
-        logger.info("%s; done", progress.line())
-        if own_llm:
-            await llm.aclose()
-        if own_sink:
-            await sink.aclose()
-        if remote is not None:
-            await remote.aclose()
+        try:
+            if own_llm:
+                await llm.aclose()
+            if own_sink:
+                await sink.aclose()
+        except RejectedTrajectory as exc:  # an HTTP sink's, which counted them: raised below
+            progress.rejected += sink.rejected if isinstance(sink, HttpSink) else 1
+            run.first_rejection = run.first_rejection or getattr(sink, "first_rejection", None) or str(exc)
+        finally:
+            publish()
+            logger.info("%s; done", progress.line())
+            if remote is not None:
+                await remote.aclose()
+    if progress.rejected:  # the run went on without them; the job must not succeed as if whole
+        raise RejectedTrajectory(
+            f"the buffer refused {progress.rejected} of {progress.completed} trajectories "
+            f"(the first: {run.first_rejection})"
+        )
     return progress
 
 
@@ -362,6 +376,7 @@ def policy_client(
         "max_connections": settings.num_process,
         "timeout_s": settings.request_timeout_s,
         "retry": RetryPolicy(max_retry_s=settings.max_retry_s, max_attempts=settings.max_attempts),
+        "routed_experts": settings.return_routed_experts,
         "continuation": ContinuePolicy(
             max_continuations=settings.max_continuations, delay_s=settings.abort_retry_delay_s
         ),
@@ -417,11 +432,14 @@ class _Run:
         self.tasks: set[asyncio.Task[None]] = set()
         #: Demand-driven generation: a group starts only when admitted (``buffer.policy``).
         self.admission: Admits | None = None
+        self.stale = StaleGroups(None, None, 1)  # groups cancelled once they cannot be served
         self.stamp_versions = False
         self.versions: dict[int, list[int]] = {}  # by id(sample): its requests' versions
         self.failure_kinds: set[str] = set()  # each kind of failure is logged once, with its reason
         self.leases: dict[str, Any] | None = None  # work leases from the buffer (data["leases"])
         self.mode: str | None = None  # the client's ("token", "chat"), for trajectories without answers
+        self.first_rejection: str | None = None  # why the buffer refused the first it refused
+        self.broken: BaseException | None = None  # the first error a sample's task raised
 
     async def all(self, plan: Plan) -> None:
         slots = asyncio.Semaphore(self.settings.num_process)
@@ -430,8 +448,13 @@ class _Run:
         def finished(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
             slots.release()
+            # A sample's task raised (its sink or its scoring broke, not its rollout, which is
+            # written as failed): the run fails with the first such error, never silently short.
+            if not task.cancelled() and (error := task.exception()) is not None and self.broken is None:
+                self.broken = error
 
         last_group: tuple[int, Any] | None = None
+        watch = asyncio.create_task(self.stale.watch())
         try:
             async for sample in _samples(plan, self.settings.task_type, self.leases):
                 group = (sample.epoch, sample.instance_id)
@@ -439,24 +462,22 @@ class _Run:
                     await self.admission.admit()
                 last_group = group
                 await slots.acquire()
-                if self.fatal is not None:
+                if self.fatal is not None or self.broken is not None:
                     break
                 self.progress.started += 1
                 task = asyncio.create_task(self.one(sample))
                 tasks.add(task)
                 task.add_done_callback(finished)
             if tasks:
-                outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-                if self.fatal is None:
-                    for outcome in outcomes:
-                        if isinstance(outcome, BaseException):
-                            raise outcome
+                await asyncio.gather(*tasks, return_exceptions=True)  # their errors: ``finished``
+            if self.fatal is None and self.broken is not None:
+                raise self.broken
             if self.fatal is None:
                 await self._score_rest()
         finally:
-            for task in list(tasks):
+            for task in [*tasks, watch]:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, watch, return_exceptions=True)
             self.offload.close()
         if self.fatal is not None:
             raise self.fatal
@@ -466,10 +487,15 @@ class _Run:
             self.versions[id(sample)] = recording()
         # This task's requests carry the group's key: its samples stay on one engine.
         routing_key.set(group_key(self.settings.task_type, sample.epoch, sample.instance_id))
-        try:
-            outcome: Episode | BaseException = await self.rollout(sample)
-        except Exception as exc:  # retries are spent: the trajectory fails, the run goes on
-            outcome = exc
+        with self.stale.sample((sample.epoch, sample.instance_id)) as kept:
+            try:
+                outcome: Episode | BaseException = await self.rollout(sample)
+            except Exception as exc:  # retries are spent: the trajectory fails, the run goes on
+                outcome = exc
+        if not kept:  # its group was cancelled as stale: nothing written, counted apart
+            self.progress.cancelled_stale += 1
+            self.versions.pop(id(sample), None)
+            return
         if isinstance(outcome, BaseException):
             fatal = self.fail_fast.failed(outcome)
             if fatal is not None or self.fatal is not None:
@@ -548,8 +574,9 @@ class _Run:
         trajectory = self._trajectory(sample, episode, reward, error)
         try:
             await self.sink.write(trajectory)
-        except RejectedTrajectory as exc:
+        except RejectedTrajectory as exc:  # counted; the run fails at its end (``run_rollouts``)
             self.progress.rejected += 1
+            self.first_rejection = self.first_rejection or f"{trajectory['uid']}: {str(exc)[:500]}"
             logger.error("%s: trajectory of %r refused: %s", self.settings.task_type, sample.instance_id, exc)
         self.progress.completed += 1
         if error is not None:
@@ -571,56 +598,17 @@ class _Run:
     def _trajectory(
         self, sample: Sample, episode: Episode | None, reward: float | None, error: BaseException | None
     ) -> dict[str, Any]:
-        completions = episode.completions if episode else []
-        messages = (
-            list(episode.messages) if episode else [*sample.messages, {"role": "assistant", "content": ""}]
+        return build_trajectory(
+            sample,
+            episode,
+            reward,
+            error,
+            task_type=self.settings.task_type,
+            sampling=self.sampling,
+            client_mode=self.mode,
+            logprobs=self.logprobs,
+            versions=self.versions.pop(id(sample), None),
         )
-        info: dict[str, Any] = {key: value for key, value in sample.row.items() if key != "instance_id"}
-        usage: dict[str, int] = {}
-        for completion in completions:
-            for key, count in completion.usage.items():
-                usage[key] = usage.get(key, 0) + count
-        info.update(
-            finish_reason=episode.finish_reason if episode and error is None else "error",
-            round_number=sum(1 for m in messages if m.get("role") == "assistant"),
-            timestamp=time.time(),
-            sampling_params=self.sampling,
-            seed=sample.seed,
-            epoch=sample.epoch,
-            repeat=sample.repeat,
-            latency_s=round(sum(c.latency_s for c in completions), 4),
-            usage=usage,
-            attempts=sum(c.attempts for c in completions),
-            continuations=sum(c.continuations for c in completions),
-            generation_mode=_mode(completions, self.mode),
-            text_continuations=sum(c.text_continuations for c in completions),
-            mismatched_continuations=sum(c.mismatched_continuations for c in completions),
-        )
-        if error is not None:
-            info["error"] = f"{type(error).__name__}: {error}"
-        trajectory: dict[str, Any] = {
-            "uid": str(uuid.uuid4()),
-            "instance_id": sample.instance_id,
-            "messages": messages,
-            "reward": FAILURE_REWARD if reward is None else reward,
-            "extra_info": info,
-            "task_type": self.settings.task_type,
-        }
-        if episode is not None and episode.tools:
-            trajectory["tools"] = episode.tools
-        turns = turn_records(messages, completions, self.logprobs) if episode is not None else None
-        if turns is not None:
-            trajectory["turns"] = turns
-        versions = self.versions.pop(id(sample), None)
-        if versions is not None:
-            stamp(trajectory, completions, versions)
-        return trajectory
-
-
-def _mode(completions: list[Completion], client_mode: str | None) -> str | None:
-    """How a trajectory's answers were made: "token" (token in, token out) or "chat"."""
-    modes = sorted({c.mode for c in completions if c.mode is not None})
-    return "+".join(modes) if modes else client_mode
 
 
 def _as_async(fn: Callable[..., Any], offload: Offload) -> Callable[..., Awaitable[Any]]:

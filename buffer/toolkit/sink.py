@@ -9,8 +9,10 @@ deduplicates by ``uid``.
 
 A trajectory the buffer refuses as invalid is a bug of the generator, never retried: the local
 writer raises ``RejectedTrajectory`` from ``write``; the HTTP sink, which sends from the
-background, counts it and raises ``RejectedTrajectory`` from ``aclose``, so a job whose
-writes were refused fails (saying how many) instead of succeeding without them.
+background, counts it and raises ``RejectedTrajectory`` from ``aclose``. Either also counts it
+on the job it writes for (``JobContext.record_refusal``), so a job whose writes were refused
+fails, saying how many, even when its generator catches the error (or never closes its sink)
+and returns as if all went well.
 """
 
 from __future__ import annotations
@@ -79,12 +81,18 @@ class HttpSink:
         self.written = 0
         self.rejected = 0
         self._first_rejection: str | None = None  # why the first refused trajectory was refused
+        self._job = current_job()  # where refusals are counted too: the job fails with them
 
     @property
     def authorization(self) -> str | None:
         """The ``Authorization`` header this sink sends (others talking to the same buffer for
         it, such as its policy, send the same and no other)."""
         return self._headers.get("authorization")
+
+    @property
+    def first_rejection(self) -> str | None:
+        """Why the first trajectory the buffer refused was refused (its uid first)."""
+        return self._first_rejection
 
     async def write(self, trajectory: dict[str, Any]) -> None:
         """Queue a trajectory; waits when ``max_pending`` are already queued (backpressure)."""
@@ -143,8 +151,11 @@ class HttpSink:
         except (RejectedTrajectory, _TooLarge) as exc:
             if len(batch) == 1:
                 self.rejected += 1
+                reason = f"{batch[0].get('uid')}: {str(exc)[:500]}"
                 if self._first_rejection is None:
-                    self._first_rejection = f"{batch[0].get('uid')}: {str(exc)[:500]}"
+                    self._first_rejection = reason
+                if self._job is not None:
+                    self._job.record_refusal(reason)
                 logger.error("the buffer refused trajectory %s: %s", batch[0].get("uid"), exc)
                 return
             if isinstance(exc, _TooLarge):  # past --max-request-bytes: send it in halves

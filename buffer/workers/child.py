@@ -5,8 +5,10 @@ It imports the generator file afresh, runs ``run_rollout(data)`` (sync or async:
 files as in the service) with ``current_job()`` set (a ``buffer.current.JobContext`` built from
 the spec), so the toolkit's sink writes back to the service over HTTP, and leaves its outcome
 in ``result_file`` before it exits: 0 when the generator returned, 1 when it raised (the file
-says what and where), 2 when it was cancelled. It imports nothing of the service: a worker's
-own machinery is a dozen modules, so it starts in tens of milliseconds.
+says what and where), 2 when it was cancelled. Its generator's progress goes to the service
+down a pipe, its last report before it exits (``buffer.workers.progress``). It imports nothing
+of the service: a worker's own machinery is a dozen modules, so it starts in tens of
+milliseconds.
 
 SIGTERM is a cancel: an async generator's task is cancelled, a sync one gets ``Cancelled``
 raised in its thread (and ``current_job().cancel_requested`` turns true). The service kills
@@ -35,6 +37,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -42,7 +45,14 @@ from typing import Any
 from buffer.core.registry import Generator, LoadError, load_generator, where
 from buffer.current import JobContext, running
 from buffer.logs import configure_logging
-from buffer.workers.lineage import become_subreaper, kill_descendants, set_parent_death_signal, watch_lifeline
+from buffer.workers.lineage import (
+    become_subreaper,
+    kill_descendants,
+    reap_children,
+    set_parent_death_signal,
+    watch_lifeline,
+)
+from buffer.workers.progress import ProgressPipe, Report, ReportedProgress
 from buffer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -50,32 +60,40 @@ logger = logging.getLogger(__name__)
 EXIT_FAILED = 1
 EXIT_CANCELLED = 2
 ORPHAN_CHECK_S = 0.5
-PROGRESS_INTERVAL_S = 1.0
 
 
 class Cancelled(BaseException):
     """Raised in a sync generator's thread when the service cancels the job."""
 
 
-def main(parent: int | None = None, lifeline: int | None = None) -> None:
+def main(parent: int | None = None, lifeline: int | None = None, progress: int | None = None) -> None:
     """Run the job's generator: the ``WorkerSpec`` on stdin; ``parent``, the service's pid,
-    ``lifeline``, the read end of its pipe (both None run by hand: its parent then)."""
+    ``lifeline``, the read end of its pipe (both None run by hand: its parent then);
+    ``progress``, the write end of the pipe its reports go down (``buffer.workers.progress``)."""
     become_subreaper()
     _watch_parent(os.getppid() if parent is None else parent, lifeline)
     set_parent_death_signal(0)  # the lifeline's from now: it takes what the generator starts along
     spec = WorkerSpec.from_json(json.loads(sys.stdin.read()))
-    configure_logging(spec.log_level)
-    code = run(spec)
+    configure_logging(spec.log_level, levels=spec.log_levels)
+    pipe: ProgressPipe | None = None
+    if progress is not None:
+        os.set_inheritable(progress, False)  # what the generator starts holds no copy
+        pipe = ProgressPipe(progress)
+    code = run(spec, report=None if pipe is None else pipe.send)
+    if pipe is not None:
+        pipe.close()  # its last report is written: the service reads to the end of file
     kill_descendants(os.getpid())  # what the generator left running (detached or not) ends here
+    reap_children()  # and what it adopted that exited: not left to the service as zombies
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # threads a generator left behind do not hold the exit up
 
 
-def run(spec: WorkerSpec, outcome: dict[str, Any] | None = None) -> int:
+def run(spec: WorkerSpec, outcome: dict[str, Any] | None = None, report: Report | None = None) -> int:
     """Run the generator ``spec`` names in this process; its exit code (0 when it returned).
-    ``outcome`` gets what ``result_file`` would (for a caller in this process)."""
+    ``outcome`` gets what ``result_file`` would (for a caller in this process); ``report``
+    is handed the job's progress at each change, and once more, whole, before this returns."""
     generator = load_generator(Path(spec.generator_file))
     if isinstance(generator, LoadError):
         logger.error(
@@ -97,23 +115,34 @@ def run(spec: WorkerSpec, outcome: dict[str, Any] | None = None) -> int:
         api_key_hosts=frozenset(spec.api_key_hosts),
         api_key=spec.api_key,
     )
-    if spec.progress_file:
-        _publish_progress(job, Path(spec.progress_file))
+    if report is not None:
+        job.progress = ReportedProgress(report)
     with running(job):
         status = _run(generator, job)
-    if spec.progress_file and job.progress:  # the last counts, which the thread may not have seen
-        with contextlib.suppress(OSError, TypeError, ValueError):
-            _write_atomically(Path(spec.progress_file), json.dumps(job.progress))
+    if report is not None:
+        report(dict(job.progress))  # the last counts (a generator may have replaced the dict)
     _leave(spec, status)
     if outcome is not None:
         outcome.update(status)
     return {"succeeded": 0, "cancelled": EXIT_CANCELLED}.get(status["status"], EXIT_FAILED)
 
 
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop where it is installed (the ``fast`` extra; uvicorn[standard] brings it):
+    the generator's requests and their parsing are most of a worker's time, and asyncio's own
+    loop, in Python, spent a third of it. None: asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def _run(generator: Generator, job: JobContext) -> dict[str, Any]:
     try:
         if generator.is_async:
-            asyncio.run(_run_async(generator, job))
+            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+                runner.run(_run_async(generator, job))
         else:
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, lambda sig, frame: _cancel_sync(job, frame))
@@ -130,6 +159,10 @@ def _run(generator: Generator, job: JobContext) -> dict[str, Any]:
         }
     if job.cancel_requested:
         return {"status": "cancelled"}
+    refusal = job.refusal()  # its sinks had trajectories refused, and it returned regardless
+    if refusal is not None:
+        logger.error("%s: %s generator returned, but %s", job.id, job.task_type, refusal)
+        return {"status": "failed", "error": refusal, "where": None}
     return {"status": "succeeded"}
 
 
@@ -178,22 +211,6 @@ def _watch_parent(parent: int, lifeline: int | None) -> None:
         gone()
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _publish_progress(job: JobContext, path: Path) -> None:
-    """Keep the job's progress in ``path``, once a second, for the service's ``GET /jobs``."""
-
-    def publish() -> None:
-        last: dict[str, Any] | None = None
-        while True:
-            time.sleep(PROGRESS_INTERVAL_S)
-            progress = dict(job.progress)
-            if progress != last:
-                with contextlib.suppress(OSError, TypeError, ValueError):
-                    _write_atomically(path, json.dumps(progress))
-                    last = progress
-
-    threading.Thread(target=publish, name="progress", daemon=True).start()
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -9,13 +9,20 @@ subreaper: a generator's ``setsid`` daemon is one of them) and to the group: pro
 generator started (``multiprocessing`` pools, shell commands) go with it. When the worker exits
 on its own, what it left in its group is killed too.
 
+However the worker ends (SIGKILLed from outside too: the OOM killer, an operator's ``kill -9``,
+when it can kill nothing it started), once it has, the service kills every process left of it
+(``lineage.end_lineage``): its environment carries a mark of its own (``WORKER_MARK``) that
+whatever its generator starts inherits, detached or not, and the service SIGKILLs every process
+carrying it (those whose parent died are init's to reap).
+
 A worker dies with its service, however the service ends (``lineage``): the bootstrap's first
 line asks the kernel to SIGKILL it when the service dies, before it imports anything, and it
 exits if its parent is no longer the service that started it (gone before that line ran); the
 service holds the write end of a pipe (the lifeline) whose end of file tells the worker,
 once its generator runs, to kill all it started and itself.
 
-Its stdout and stderr come to the service's log line by line, capped (``output``).
+Its stdout and stderr come to the service's log line by line, capped (``output``); its
+generator's progress comes down a pipe of its own, read to the end (``progress``).
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from buffer.workers.lineage import kill_descendants
+from buffer.workers.lineage import WORKER_MARK, end_lineage, kill_descendants, new_mark
 from buffer.workers.output import WorkerOutput
+from buffer.workers.progress import receive
 from buffer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -48,10 +56,11 @@ OUTPUT_DRAIN_S = 2.0
 #: A worker's first lines: before anything is imported, the kernel is to SIGKILL it when the
 #: service dies (Linux's PR_SET_PDEATHSIG); if the service died before that, it exits. Then the
 #: worker proper, given the service's pid and its end of the lifeline. Its arguments: the
-#: service's pid, the lifeline's descriptor, and the job's id (to tell workers apart in ``ps``).
+#: service's pid, the lifeline's descriptor, its progress pipe's, and the job's id (to tell
+#: workers apart in ``ps``).
 BOOTSTRAP = """\
 import os, sys
-parent, lifeline = int(sys.argv[1]), int(sys.argv[2])
+parent, lifeline, progress = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 if sys.platform == "linux":
     try:
         import ctypes
@@ -61,7 +70,7 @@ if sys.platform == "linux":
 if os.getppid() != parent:  # the service is gone already
     os._exit(1)
 from buffer.workers.child import main
-main(parent, lifeline)
+main(parent, lifeline, progress)
 """
 
 
@@ -86,9 +95,13 @@ class WorkerProcess:
     outcome: WorkerOutcome | None = None
     _directory: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
     _progress: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: Reads its progress pipe to the end (``_keep_progress``).
+    _receiver: asyncio.Task[None] | None = field(default=None, repr=False)
     #: The write end of its lifeline: closed when it has exited (or with this process).
     _lifeline: int | None = field(default=None, repr=False)
     _output: list[asyncio.Task[None]] = field(default_factory=list, repr=False)
+    #: Its ``WORKER_MARK``: in its environment, and so in that of everything it starts.
+    _mark: str = field(default="", repr=False)
 
     @property
     def pid(self) -> int | None:
@@ -100,34 +113,39 @@ class WorkerProcess:
         spec = self.spec = dataclasses.replace(
             self.spec,
             result_file=str(directory / "outcome.json"),
-            progress_file=str(directory / "progress.json"),
         )
         # Pipes of its own, none inherited (the worker's ends are passed): its output's are not
         # asyncio's, whose wait() would wait for every process holding them to close them.
         lifeline, self._lifeline = os.pipe()
+        self._mark = new_mark(f"{spec.job_id}/{spec.index}")
+        env = {**(os.environ if self.env is None else self.env), WORKER_MARK: self._mark}
         (stdout, stdout_end), (stderr, stderr_end) = os.pipe(), os.pipe()
+        progress, progress_end = os.pipe()
         try:
             self.process = await asyncio.create_subprocess_exec(
                 sys.executable,
+                "-P",  # not the working folder first on its path: slime's has a buffer.py of its own
                 "-c",
                 BOOTSTRAP,
                 str(os.getpid()),
                 str(lifeline),
+                str(progress_end),
                 spec.job_id,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=stdout_end,
                 stderr=stderr_end,
-                env=self.env,
-                pass_fds=(lifeline,),
+                env=env,
+                pass_fds=(lifeline, progress_end),
                 start_new_session=True,  # its own session and process group, set at exec
             )
         except BaseException:
             self._close_lifeline()
             os.close(stdout)
             os.close(stderr)
+            os.close(progress)
             raise
         finally:
-            for end in (lifeline, stdout_end, stderr_end):
+            for end in (lifeline, stdout_end, stderr_end, progress_end):
                 os.close(end)
         name = f"{spec.job_id}/{spec.index}"
         output = WorkerOutput(name)
@@ -135,6 +153,9 @@ class WorkerProcess:
             asyncio.create_task(output.forward(stdout, logging.INFO), name=f"{name}-stdout"),
             asyncio.create_task(output.forward(stderr, logging.WARNING), name=f"{name}-stderr"),
         ]
+        self._receiver = asyncio.create_task(
+            receive(progress, self._keep_progress, name), name=f"{name}-progress"
+        )
         assert self.process.stdin is not None
         self.process.stdin.write(json.dumps(spec.to_json()).encode())
         with contextlib.suppress(ConnectionError):  # it died at once: wait() tells how
@@ -143,17 +164,21 @@ class WorkerProcess:
         logger.info("%s: worker %d/%d started, pid %d", spec.job_id, spec.index + 1, spec.count, self.pid)
 
     async def wait(self) -> WorkerOutcome:
-        """Wait until it exits; kill what it left in its group; say how it ended."""
+        """Wait until it exits; kill what it left (``_end_lineage``); say how it ended."""
         assert self.process is not None
-        code = await self.process.wait()
-        self._kill_group(signal.SIGKILL)
-        self._close_lifeline()
-        await self._end_output()
-        self.progress()  # its last word, before the folder goes
-        self.outcome = self._read_outcome(code)
-        if self._directory is not None:
-            self._directory.cleanup()
-        return self.outcome
+        try:
+            code = await self.process.wait()
+            self._kill_group(signal.SIGKILL)
+            await self._end_lineage()
+            self._close_lifeline()
+            await self._end_output()
+            await self._progress_received()  # its last word
+            self.outcome = self._read_outcome(code)
+            return self.outcome
+        finally:  # cancelled too (the service stopping): its folder goes with it
+            if self._directory is not None:
+                self._directory.cleanup()
+                self._directory = None
 
     async def stop(self, grace_s: float) -> None:
         """SIGTERM to its group, SIGKILL after ``grace_s``; returns once it has exited."""
@@ -174,12 +199,14 @@ class WorkerProcess:
             await asyncio.to_thread(kill_descendants, self.process.pid)
         self._kill_group(signal.SIGKILL)
         await self.process.wait()
+        await self._end_lineage()
         # A signal is delivered when its process next runs: until then, one of its processes may
         # still send a write. Return once none is left (zombies, dead already, do not count).
         for _ in range(int(KILL_WAIT_S / 0.02)):
             if not await asyncio.to_thread(group_alive, self.process.pid):
                 break
             await asyncio.sleep(0.02)
+        await self._progress_received()
 
     def rss_bytes(self) -> int | None:
         """Its resident memory (Linux), None once it has exited."""
@@ -189,11 +216,22 @@ class WorkerProcess:
 
     def progress(self) -> dict[str, Any]:
         """What the generator last reported (the toolkit's counts), kept once it has exited."""
-        if self.spec.progress_file and self.outcome is None:
-            progress = read_progress(Path(self.spec.progress_file))
-            if progress is not None:
-                self._progress = progress
         return self._progress
+
+    def _keep_progress(self, report: dict[str, Any]) -> None:
+        self._progress = report
+
+    async def _progress_received(self) -> None:
+        """Once it has exited: read its last report (the end of its progress pipe; a process
+        it left holding the pipe does not hold this up past ``OUTPUT_DRAIN_S``)."""
+        receiver = self._receiver
+        if receiver is None:
+            return
+        done, _ = await asyncio.wait({receiver}, timeout=OUTPUT_DRAIN_S)  # (never cancels it)
+        if not done:
+            receiver.cancel()
+        elif not receiver.cancelled() and receiver.exception() is not None:
+            logger.warning("%s: its progress could not be read: %s", self.spec.job_id, receiver.exception())
 
     def describe(self) -> dict[str, Any]:
         outcome = self.outcome
@@ -204,6 +242,13 @@ class WorkerProcess:
             "status": "running" if outcome is None else outcome.status,
             "exit": None if outcome is None else exit_text(outcome.returncode),
         }
+
+    async def _end_lineage(self) -> None:
+        """Once it has exited: SIGKILL every process left of it, wherever it went (``setsid``,
+        re-parented to this service or to init), and reap those this service adopted."""
+        assert self.process is not None
+        if not await asyncio.to_thread(end_lineage, self._mark, self.process.pid):
+            logger.warning("%s: processes of worker pid %d outlived it", self.spec.job_id, self.pid)
 
     def _close_lifeline(self) -> None:
         if self._lifeline is not None:
@@ -238,16 +283,6 @@ class WorkerProcess:
         if status == "failed" and error is None:  # it could not say: killed, or os._exit
             error = f"the worker process {exit_text(code)}"
         return WorkerOutcome(status, code, error, raw.get("where"), lost=code == -signal.SIGKILL)
-
-
-def read_progress(path: Path) -> dict[str, Any] | None:
-    """The toolkit's counts a worker last wrote to its progress file; None while there are none
-    (not written yet, or caught mid-replace)."""
-    try:
-        progress = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return progress if isinstance(progress, dict) else None
 
 
 def rss_of(pid: int) -> int | None:

@@ -18,21 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import importlib
 import logging
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from buffer import paths
-from buffer.workers.process import WorkerOutcome, read_progress, rss_of
+from buffer.workers.process import WorkerOutcome, rss_of
 from buffer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -82,29 +78,24 @@ class GeneratorActor:
     ``report`` run while ``run`` does."""
 
     def __init__(self) -> None:
-        self._progress_file: Path | None = None
+        self._progress: dict[str, Any] = {}
 
     def run(self, raw_spec: dict[str, Any]) -> dict[str, Any]:
         from buffer.workers import child
 
         with contextlib.suppress(OSError):  # a group of its own: terminate() stops its children too
             os.setpgrp()
-        directory = tempfile.mkdtemp(prefix="rollout-ray-")
-        self._progress_file = Path(directory) / "progress.json"
-        spec = dataclasses.replace(WorkerSpec.from_json(raw_spec), progress_file=str(self._progress_file))
         outcome: dict[str, Any] = {}
-        try:
-            code = child.run(spec, outcome)
-            return {"returncode": code, **outcome, "progress": self.report()["progress"]}
-        finally:
-            self._progress_file = None
-            shutil.rmtree(directory, ignore_errors=True)
+        code = child.run(WorkerSpec.from_json(raw_spec), outcome, report=self._keep)
+        return {"returncode": code, **outcome, "progress": self._progress}
+
+    def _keep(self, progress: dict[str, Any]) -> None:
+        self._progress = progress
 
     def report(self) -> dict[str, Any]:
-        """The generator's last progress (as a worker process leaves it in its file), and this
-        actor's resident memory."""
-        progress = read_progress(self._progress_file) if self._progress_file is not None else None
-        return {"progress": progress or {}, "rss_bytes": rss_of(os.getpid()), "pid": os.getpid()}
+        """The generator's last progress (handed over at each change: ``child.run``'s
+        ``report``), and this actor's resident memory."""
+        return {"progress": self._progress, "rss_bytes": rss_of(os.getpid()), "pid": os.getpid()}
 
     def terminate(self, grace_s: float) -> None:
         group = os.getpgrp()

@@ -3,7 +3,8 @@
 The same code as a job's worker process (``child.run``), started by hand: the generator file's
 ``run_rollout(data)`` runs here, and what it writes goes over HTTP to ``--buffer`` (batched,
 deduplicated by ``uid``, slowed by 429s; the key from ``ROLLOUT_BUFFER_API_KEY``). Unless told
-``--no-configure``, the task is configured first (``PUT /tasks/{name}``) with the data's group
+``--no-configure``, the task is configured first (``PUT /tasks/{name}``, retried with backoff for
+``CONFIGURE_RETRY_S`` while the buffer is down or out of reach) with the data's group
 size and timeout (and ``evaluation``: its groups kept as written, as ``/start_rollout`` keeps
 them), so its groups fill as the generator means them to, even with a buffer run with
 ``--strict-tasks``. ``--worker-index``/``--num-workers`` split the plan between several
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tenacity import Retrying, retry_if_exception, stop_before_delay, wait_random_exponential
 
 from buffer.keys import key_or_env
 from buffer.lease_terms import lease_settings
@@ -34,6 +36,10 @@ from buffer.workers import child
 from buffer.workers.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
+
+#: How long ``PUT /tasks/{name}`` is retried while the buffer does not answer it (a restart, a
+#: partition): a worker started meanwhile waits for it rather than exit.
+CONFIGURE_RETRY_S = 300.0
 
 _TASK_FIELDS = (
     "num_repeat_per_sample",
@@ -133,17 +139,44 @@ def _data(args: argparse.Namespace) -> dict[str, Any]:
     return data
 
 
-def _configure(buffer: str, task: str, data: dict[str, Any]) -> None:
+def _configure(buffer: str, task: str, data: dict[str, Any], retry_s: float = CONFIGURE_RETRY_S) -> None:
     body = {name: data[name] for name in _TASK_FIELDS if data.get(name) is not None}
     headers = {}
     if key := key_or_env(None):
         headers["authorization"] = f"Bearer {key}"
-    response = httpx.put(f"{buffer}/tasks/{task}", json=body, headers=headers, timeout=30.0, trust_env=False)
+    retrying = Retrying(
+        stop=stop_before_delay(retry_s),
+        wait=wait_random_exponential(multiplier=0.2, max=5.0),
+        retry=retry_if_exception(_unanswered),
+        before_sleep=lambda state: logger.warning(
+            "configuring task %s on %s: %r; retrying",
+            task,
+            buffer,
+            state.outcome.exception() if state.outcome else None,
+        ),
+        reraise=True,
+    )
+    try:
+        response = retrying(_put, f"{buffer}/tasks/{task}", body, headers)
+    except httpx.HTTPError as exc:
+        raise SystemExit(f"configuring task {task} on {buffer} failed for {retry_s:g} s: {exc!r}") from exc
     if response.status_code != 200:
         raise SystemExit(
             f"configuring task {task} on {buffer} failed: HTTP {response.status_code} {response.text}"
         )
     logger.info("task %s configured on %s: %s", task, buffer, response.json()["data"]["settings"])
+
+
+def _put(url: str, body: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
+    response = httpx.put(url, json=body, headers=headers, timeout=30.0, trust_env=False)
+    if response.status_code in (429, 502, 503, 504):  # starting, restarting, or a proxy without it
+        response.raise_for_status()
+    return response
+
+
+def _unanswered(exc: BaseException) -> bool:
+    """The buffer did not answer the request (down, out of reach) or said to come back."""
+    return isinstance(exc, httpx.TransportError | httpx.HTTPStatusError)
 
 
 if __name__ == "__main__":

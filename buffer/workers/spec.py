@@ -26,9 +26,9 @@ class WorkerSpec:
     count: int = 1
     #: Where it leaves its outcome (a JSON object) before it exits.
     result_file: str = ""
-    #: Where it keeps ``current_job().progress`` (the toolkit's counts) for the service to show.
-    progress_file: str = ""
     log_level: str = "info"
+    #: Loggers at levels of their own (``--log-level-for``): name to level.
+    log_levels: dict[str, str] = field(default_factory=dict)
     #: Hosts a ``remote_buffer_url`` may name to be sent the service's own API key
     #: (``JobPolicy.api_key_hosts``, ``--send-api-key-to``).
     api_key_hosts: tuple[str, ...] = ()

@@ -23,6 +23,7 @@ MODULES = """
 import json, sys
 
 TASK_TYPE = "modules"
+START_ROLLOUT_FIELDS = ('out',)
 
 def run_rollout(data):
     names = sorted(m for m in sys.modules if m == "buffer" or m.startswith("buffer."))
@@ -36,6 +37,7 @@ import json
 from buffer.toolkit.sink import open_sink
 
 TASK_TYPE = "key_probe"
+START_ROLLOUT_FIELDS = ('out',)
 
 async def run_rollout(data):
     sent = {}

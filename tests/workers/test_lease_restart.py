@@ -53,6 +53,7 @@ WAITER = """
 import asyncio, os
 
 TASK_TYPE = "leased_restart"
+START_ROLLOUT_FIELDS = ('stop_file',)
 
 async def run_rollout(data):
     while not os.path.exists(data["stop_file"]):

@@ -263,6 +263,7 @@ PROBE = """
 import json
 from buffer.toolkit.leased import BoardLeases, lease_client
 TASK_TYPE = "probe"
+START_ROLLOUT_FIELDS = ('probe_file',)
 
 async def run_rollout(data):
     client = lease_client("probe", data["leases"])

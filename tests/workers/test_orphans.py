@@ -29,6 +29,7 @@ from buffer.service.jobs import _worker_env
 from buffer.workers.output import WorkerOutput
 from buffer.workers.process import WorkerProcess
 from buffer.workers.spec import WorkerSpec
+from tests.support.calls import until
 
 # Writes a trajectory every 20 ms, forever; notes each process that runs it.
 SLOW_WRITER = """
@@ -71,6 +72,7 @@ DETACHER = """
 import os, signal, subprocess, sys, time
 
 TASK_TYPE = "detacher"
+START_ROLLOUT_FIELDS = ('deaf', 'pidfile')
 
 def run_rollout(data):
     if data.get("deaf"):
@@ -88,6 +90,7 @@ import json, os, subprocess, sys
 from buffer.toolkit.sink import open_sink
 
 TASK_TYPE = "key_probe"
+START_ROLLOUT_FIELDS = ('out',)
 
 async def run_rollout(data):
     sink = await open_sink(None)
@@ -139,7 +142,9 @@ def workers_of(service_pid: int) -> list[int]:
             args = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue
-        ours = b"buffer.workers.child" in b"".join(args) and str(service_pid).encode() in args[3:4]
+        # The bootstrap's first argument, after the code that names buffer.workers.child.
+        code = next((i for i, arg in enumerate(args) if b"buffer.workers.child" in arg), None)
+        ours = code is not None and args[code + 1 : code + 2] == [str(service_pid).encode()]
         if ours and alive(int(cmdline.parent.name)):
             found.append(int(cmdline.parent.name))
     return found
@@ -199,7 +204,10 @@ def test_a_service_killed_as_its_workers_start_leaves_none_running(
             try:
                 wait_ready(f"http://127.0.0.1:{port}/health", service, 60, "the service")
                 answer = httpx.post(
-                    f"http://127.0.0.1:{port}/start_rollout", json={"task_type": "slow"}, trust_env=False
+                    f"http://127.0.0.1:{port}/start_rollout",
+                    json={"task_type": "slow"},
+                    trust_env=False,
+                    timeout=30,
                 )
                 assert answer.status_code == 200, answer.text
                 time.sleep(delay_s)
@@ -208,7 +216,7 @@ def test_a_service_killed_as_its_workers_start_leaves_none_running(
                 service.wait()
             wait_until(
                 functools.partial(none_left, service.pid, pids),
-                10,
+                60,
                 f"workers outlived a service killed {delay_s} s after /start_rollout",
             )
         # Started again on the same port and data: nothing of the old jobs writes to it.
@@ -218,7 +226,7 @@ def test_a_service_killed_as_its_workers_start_leaves_none_running(
             wait_ready(f"http://127.0.0.1:{port}/health", service, 60, "the service")
 
             def written() -> int:
-                stats = httpx.get(f"http://127.0.0.1:{port}/buffer/stats", trust_env=False).json()
+                stats = httpx.get(f"http://127.0.0.1:{port}/buffer/stats", trust_env=False, timeout=30).json()
                 return int(stats["data"]["data"][0]["total_written"])
 
             before = written()
@@ -259,7 +267,7 @@ async def test_a_daemon_a_generator_detached_ends_when_its_worker_does(tmp_path:
     assert outcome.status == "succeeded", outcome
     daemon = int(await wait_for_file(pidfile))
     try:
-        assert not alive(daemon)
+        await until(lambda: not alive(daemon), what="the daemon killed with its worker")
     finally:
         if alive(daemon):
             os.kill(daemon, signal.SIGKILL)
@@ -272,7 +280,7 @@ async def test_a_daemon_a_generator_detached_ends_when_its_worker_is_stopped(tmp
     daemon = int(await wait_for_file(pidfile))
     try:
         await worker.stop(0.3)  # deaf to SIGTERM: killed, and its daemon with it
-        assert not alive(daemon)
+        await until(lambda: not alive(daemon), what="the daemon killed with its worker")
         assert (await worker.wait()).status == "failed"
     finally:
         if alive(daemon):

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import os
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -96,12 +94,10 @@ async def test_an_actor_that_cannot_answer_leaves_the_last_report_and_its_death_
     assert outcome.error == "the Ray actor died: the actor died unexpectedly"
 
 
-def test_the_actor_reports_its_generators_progress_file_and_its_own_memory(tmp_path: Path) -> None:
+def test_the_actor_reports_its_generators_progress_and_its_own_memory() -> None:
     actor = GeneratorActor()
     assert actor.report()["progress"] == {}  # not running yet
-    progress = tmp_path / "progress.json"
-    progress.write_text(json.dumps({"completed": 7}))
-    actor._progress_file = progress
+    actor._keep({"completed": 7})  # as child.run hands over each report
     report = actor.report()
     assert report["progress"] == {"completed": 7}
     assert report["pid"] == os.getpid()

@@ -16,6 +16,7 @@ import pytest
 
 from buffer.paths import ROOT
 from buffer.processes import free_port, started, wait_ready
+from tests.support.calls import wait_for
 
 pytest.importorskip("ray", reason="Ray is not installed here (pip install 'rollout-buffer[ray]')")
 
@@ -28,10 +29,11 @@ async def run_rollout(data):
 """
 
 WAITING = """
-import time
+import pathlib, time
 TASK_TYPE = "waiting"
 
 def run_rollout(data):
+    pathlib.Path(__file__).with_suffix(".started").touch()  # the test cancels it from then on
     while True:
         time.sleep(0.1)
 """
@@ -66,7 +68,7 @@ def _wait(http: httpx.Client, job_id: str, until: Any, timeout_s: float) -> dict
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_job_on_ray_actors_completes_with_exact_counts_and_cancels(
-    service: tuple[httpx.Client, str],
+    service: tuple[httpx.Client, str], tmp_path: Path
 ) -> None:
     http, engine = service
     start = {
@@ -91,7 +93,7 @@ def test_a_job_on_ray_actors_completes_with_exact_counts_and_cancels(
     waiting = http.post("/start_rollout", json={"task_type": "waiting"}).json()["job"]
     # As a worker process, a running actor shows its memory (asked every second).
     _wait(http, waiting["id"], lambda job: job["workers"] and job["workers"][0]["rss_bytes"], 60)
-    time.sleep(2.0)
+    wait_for((tmp_path / "generator" / "waiting_generator.started").exists, 60, "the actor's run_rollout")
     response = http.post(f"/jobs/{waiting['id']}/cancel")
     assert response.status_code == 200, response.text
     cancelled = response.json()["data"]
