@@ -10,9 +10,13 @@ into a token-faithful trajectory written to the buffer like any other.
   restart replays them (``SessionStore``).
 - ``tree``: which recorded call continues which (an agent that retries or branches).
 - ``assembly``: a session's calls as a trajectory (messages, tools, turns).
+- ``sampling``: the sampling fields a session pins, whatever the agent sends.
 - ``images``: image content parts kept on the trajectory, by reference when large.
 - ``proxy``: the engine call with capture, and the stream the agent asked for.
 - ``service``: the ``Gateway`` the routes call (``buffer.service.routes.sessions``).
+- ``anthropic``, ``responses``: Anthropic's Messages API and OpenAI's Responses API as the chat
+  completion the gateway records, and its answer back (``buffer.service.routes.dialects``);
+  ``translation``: what they share.
 
 It may import the buffer core, the toolkit's engine readers (``buffer.toolkit.engines``) and
 httpx; the core never imports it.

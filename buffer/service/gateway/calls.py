@@ -17,7 +17,12 @@ class Call:
     """One chat completion the agent made: what the engine was sent and what it answered.
 
     ``messages`` are those after the parent's messages and reply (all of them for a root):
-    a session of n turns keeps each message once, not n times (``tree.whole_messages``)."""
+    a session of n turns keeps each message once, not n times (``tree.whole_messages``).
+    ``role`` is what the agent named the call (``x-rollout-role``, ``metadata.role``);
+    ``request`` the digest of the agent's request body (an SDK's retry repeats it); ``choice``
+    the choice of that request (``n > 1``: one call per choice, siblings); ``asked`` the
+    agent's own values of the sampling fields the session pinned (``sampling`` is what the
+    engine was sent)."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
@@ -29,6 +34,10 @@ class Call:
     tokens: dict[str, Any] | None
     parent: int | None
     at: float
+    role: str | None = None
+    request: str | None = None
+    choice: int = 0
+    asked: dict[str, Any] | None = None
 
     def to_json(self) -> bytes:
         return orjson.dumps(
@@ -41,6 +50,10 @@ class Call:
                 "tokens": self.tokens,
                 "parent": self.parent,
                 "at": self.at,
+                "role": self.role,
+                "request": self.request,
+                "choice": self.choice,
+                "asked": self.asked,
             }
         )
 

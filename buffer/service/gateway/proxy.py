@@ -12,10 +12,19 @@ without streaming, and the whole answer is then streamed to the agent as OpenAI
 ``chat.completion.chunk`` events (``stream_chunks``): the role, the reasoning, the content, each
 tool call, the finish reason, the usage when ``stream_options.include_usage`` asked for it, and
 ``[DONE]``. The agent sees a stream; its first byte comes when the engine has finished.
+
+Token mode. A session with a tokenizer is served by the toolkit's token client
+(``buffer.toolkit.tito``): a chain's first prompt rendered once with the served model's
+template, each later one extended by the ids sampled and the observation's tokens, sent to the
+engine's token route; the agent gets a chat completion (``chat_answer``: tool calls parsed from
+the text).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -25,8 +34,9 @@ import orjson
 from buffer.toolkit.engines import AnswerShapeError, Engine, answer_engine, chat_tokens, dialect
 from buffer.toolkit.llm import EngineClient, LLMError, RetryPolicy, engine_base_url
 from buffer.toolkit.pool import routing_key
+from buffer.toolkit.tito import TokenClient, TokenRenderer, tokenizer_for
 from buffer.toolkit.transport import AiohttpTransport, HttpxTransport, Transport
-from buffer.toolkit.types import TokenCapture
+from buffer.toolkit.types import Completion, TokenCapture
 
 #: Fields of the answer that only the capture asked for: dropped unless the agent asked too.
 _CAPTURE_ANSWER_FIELDS = ("prompt_token_ids", "token_ids", "meta_info")
@@ -62,6 +72,8 @@ class EngineProxy:
             self._transport = transport
         self._retry = retry or RetryPolicy(max_retry_s=60.0)
         self._clients: dict[tuple[str, ...], _Engines] = {}
+        self._token_clients: dict[tuple[tuple[str, ...], str, str], TokenClient] = {}
+        self._renderers: dict[str, TokenRenderer] = {}
         self._http: httpx.AsyncClient | None = None  # for the rare GET /v1/models
 
     def upstream_body(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +99,48 @@ class EngineProxy:
             routing_key.reset(token)
         return answer
 
+    async def renderer(self, tokenizer_path: str) -> TokenRenderer:
+        """The served model's template (loaded once per path, in a thread); ``ValueError``,
+        ``OSError`` or ``TokenizerMissing`` when it does not load."""
+        renderer = self._renderers.get(tokenizer_path)
+        if renderer is None:
+            tokenizer = await asyncio.to_thread(tokenizer_for, tokenizer_path, True)
+            renderer = self._renderers.setdefault(tokenizer_path, TokenRenderer(tokenizer))
+        return renderer
+
+    async def complete_tokens(
+        self,
+        urls: Sequence[str],
+        tokenizer_path: str,
+        body: dict[str, Any],
+        previous: Completion | None,
+        key: str,
+    ) -> Completion:
+        """Token mode: the answer to the agent's ``body`` from the engine's token route, its
+        prompt extended from ``previous`` (the chain's call it continues) or rendered afresh."""
+        renderer = await self.renderer(tokenizer_path)
+        model = str(body.get("model") or "default")
+        client_key = (tuple(urls), tokenizer_path, model)
+        client = self._token_clients.get(client_key)
+        if client is None:
+            client = self._token_clients[client_key] = TokenClient(
+                list(urls),
+                renderer,
+                engine=self.engine,
+                model=model,
+                transport=self._transport,
+                retry=self._retry,
+            )
+        sampling = {k: v for k, v in body.items() if k in TOKEN_SAMPLING and v is not None}
+        seed = sampling.pop("seed", None)
+        token = routing_key.set(key)
+        try:
+            return await client.complete(
+                body["messages"], tools=body.get("tools") or None, seed=seed, previous=previous, **sampling
+            )
+        finally:
+            routing_key.reset(token)
+
     async def models(self, urls: Sequence[str]) -> tuple[int, bytes]:
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=30.0, trust_env=False)
@@ -96,27 +150,93 @@ class EngineProxy:
     async def aclose(self) -> None:
         for client in self._clients.values():
             await client.pool.aclose()
+        for token_client in self._token_clients.values():
+            await token_client.pool.aclose()
         await self._transport.aclose()
         if self._http is not None:
             await self._http.aclose()
 
 
+#: The body's fields the token route is sent (in OpenAI's names; the dialect maps them).
+TOKEN_SAMPLING = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "seed",
+        "stop",
+        "max_tokens",
+        "max_completion_tokens",
+    }
+)
+
+
 def capture(answer: dict[str, Any]) -> tuple[dict[str, Any], str, TokenCapture | None]:
     """The first choice's message, finish reason and token record of an engine's answer."""
+    return captures(answer)[0]
+
+
+def captures(answer: dict[str, Any]) -> list[tuple[dict[str, Any], str, TokenCapture | None]]:
+    """Each choice's message, finish reason and token record of an engine's answer (``n > 1``:
+    several), in the order of their ``index``."""
     choices = answer.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, dict) for c in choices):
         raise LLMError(f"the policy server's answer has no choices: {str(answer)[:300]}")
-    choice = choices[0]
-    message = choice.get("message")
-    if not isinstance(message, dict):
-        raise LLMError(f"the policy server's answer has no message: {str(answer)[:300]}")
-    try:
-        tokens = chat_tokens(answer, choice)
-    except AnswerShapeError as exc:
-        raise LLMError(f"the policy server's token ids are malformed: {exc}") from exc
-    if tokens is not None:  # which engine answered: what its logprobs are depends on it
-        tokens.engine = answer_engine(answer, choice)
-    return message, str(choice.get("finish_reason") or "stop"), tokens
+    found = []
+    for choice in sorted(choices, key=lambda c: c.get("index") or 0):
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            raise LLMError(f"the policy server's answer has no message: {str(answer)[:300]}")
+        try:
+            tokens = chat_tokens(answer, choice)
+        except AnswerShapeError as exc:
+            raise LLMError(f"the policy server's token ids are malformed: {exc}") from exc
+        if tokens is not None:  # which engine answered: what its logprobs are depends on it
+            tokens.engine = answer_engine(answer, choice)
+        found.append((message, str(choice.get("finish_reason") or "stop"), tokens))
+    return found
+
+
+def chat_answer(
+    replies: Sequence[tuple[dict[str, Any], str, TokenCapture | None]],
+    model: str,
+    answer_id: str | None = None,
+) -> dict[str, Any]:
+    """An OpenAI chat completion made of recorded replies (a token-mode answer, or a retried
+    request answered from what was recorded)."""
+    usage = {"prompt_tokens": 0, "completion_tokens": 0}
+    for _, _, tokens in replies:
+        if tokens is not None:
+            usage["prompt_tokens"] = len(tokens.prompt_ids)
+            usage["completion_tokens"] += len(tokens.output_ids)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return {
+        "id": answer_id or f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
+            for index, (message, finish_reason, _) in enumerate(replies)
+        ],
+        "usage": usage,
+    }
+
+
+def token_reply(completion: Completion) -> dict[str, Any]:
+    """A token-mode completion as the assistant message an agent gets."""
+    message: dict[str, Any] = {"role": "assistant", "content": completion.text or None}
+    if completion.tool_calls:
+        message["tool_calls"] = completion.tool_calls
+    if completion.reasoning_content:
+        message["reasoning_content"] = completion.reasoning_content
+    if message["content"] is None and not completion.tool_calls:
+        message["content"] = ""
+    return message
 
 
 def for_agent(answer: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:

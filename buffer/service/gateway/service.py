@@ -9,6 +9,15 @@ trajectory (uid ``session-<id>``, so a retried or replayed end is a duplicate, c
 before the session's ``close``; an end retried once the session is closed (its answer lost,
 or the service restarted) answers what the first end did (``ended``).
 
+Chains. Ending writes one trajectory per conversation of the session (``assembly``), all or
+none in one write: the main chain's as ``session-<id>``, each other's as
+``session-<id>-<chain>``; a replayed end writes the same uids, duplicates counted once.
+
+Retries. An agent's SDK that retries a request (``x-stainless-retry-count`` of 1 or more, the
+same body) is answered, not recorded again: by waiting on the call still in flight, or from
+the call recorded. A call whose agent left (every request for it cancelled: the agent
+disconnected) is cancelled at the engine after ``retry_grace_s``, unless a retry came for it.
+
 Pause. With a pause gate (the policy-version control's, while weights are updated), a call
 waits up to ``pause_wait_s`` for generation to resume, then answers 503 with ``Retry-After``;
 the agent's SDK retries it. The gate is optional: ``PauseGate`` is the hook.
@@ -17,12 +26,14 @@ the agent's SDK retries it. The gate is optional: ``PauseGate`` is the hook.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import re
 import secrets
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
@@ -30,10 +41,12 @@ import orjson
 from buffer.core.rollout_buffer import RolloutBuffer
 from buffer.core.writes import WriteResult
 from buffer.errors import InvalidInput, NotFound, RolloutBufferError
-from buffer.service.gateway.assembly import NothingRecorded, assemble
+from buffer.policy.versions import as_version
+from buffer.service.gateway.assembly import NothingRecorded, assemble_chains
 from buffer.service.gateway.calls import Call
 from buffer.service.gateway.images import ImagePolicy, write_files
-from buffer.service.gateway.proxy import EngineProxy, capture
+from buffer.service.gateway.proxy import EngineProxy, captures, chat_answer, token_reply
+from buffer.service.gateway.sampling import pin, pinned
 from buffer.service.gateway.sessions import (
     EVENT_KIND,
     MAX_SESSION_TIMEOUT_S,
@@ -45,7 +58,9 @@ from buffer.service.gateway.sessions import (
 )
 from buffer.service.gateway.tree import parent_of
 from buffer.service.job_policy import JobPolicy
-from buffer.service.models import TRAJECTORY, parse_json
+from buffer.service.models import TRAJECTORIES, parse_json
+from buffer.toolkit.tito import TemplateError, TokenizerMissing
+from buffer.toolkit.types import Completion, TokenCapture
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +110,16 @@ class GatewayConfig:
     pause_wait_s: float = 30.0
     retry_after_s: int = 5
     require_session_key: bool = False  # the service has an API key: the agent sends its session's
+    retry_grace_s: float = 10.0  # a call its agent left runs this long for an SDK's retry to take it
+
+
+@dataclass(slots=True, eq=False)
+class _Flight:
+    """A call in flight, and how many requests wait for its answer (the first, and retries)."""
+
+    task: asyncio.Future[dict[str, Any]]
+    waiters: int = 0
+    abandoned: asyncio.TimerHandle | None = field(default=None)
 
 
 class Gateway:
@@ -119,6 +144,7 @@ class Gateway:
         self.pause_gate = pause_gate
         self.store = SessionStore()
         self._clock = clock
+        self._flights: dict[tuple[str, str], _Flight] = {}
         buffer.add_extension(EVENT_KIND, self.store)  # before a restore, to replay the sessions
 
     # -- sessions ----------------------------------------------------------------------
@@ -131,9 +157,21 @@ class Gateway:
         metadata: dict[str, Any],
         timeout_s: float | None = None,
         on_timeout: OnTimeout | None = None,
+        *,
+        sampling: Mapping[str, Any] | None = None,
+        token_mode: bool | None = None,
+        tokenizer_path: str | None = None,
     ) -> Session:
+        """A new session; ``sampling`` (else the task's ``session_sampling``) pins the sampling
+        fields of its calls; ``token_mode`` (else the task's ``session_token_mode``) serves it
+        token in, token out with ``tokenizer_path`` (else the task's)."""
         job = self.buffer.jobs.get(task_type, {}).get("data", {})
         engines = await self._engines(remote_engine_url, job)
+        if sampling is not None:
+            pins = pinned(dict(sampling), "sampling")
+        else:
+            pins = pinned(job.get("session_sampling"), "session_sampling")
+        tokenizer = await self._tokenizer(token_mode, tokenizer_path, job)
         now = self._clock()
         session = Session(
             session_id=uuid.uuid4().hex,
@@ -146,6 +184,8 @@ class Gateway:
             created_at=now,
             last_at=now,
             metadata=metadata,
+            sampling=pins,
+            tokenizer_path=tokenizer,
         )
         self.buffer.log_event(session.open_header())
         await self.buffer.wait_durable()
@@ -166,6 +206,25 @@ class Gateway:
         await self.job_policy.check({"remote_engine_urls": urls}, self.service_url)
         return urls
 
+    async def _tokenizer(self, token_mode: bool | None, path: str | None, job: dict[str, Any]) -> str | None:
+        """The tokenizer of a session in token mode (loaded now: a path that does not load is
+        refused at the open), or None: chat mode."""
+        if token_mode is None:
+            token_mode = str(job.get("session_token_mode", "")).lower() in ("true", "1")
+        if not token_mode:
+            return None
+        path = path or job.get("tokenizer_path")
+        if not path or not isinstance(path, str):
+            raise InvalidInput.one(
+                "tokenizer_path",
+                "token mode renders with the served model's tokenizer: name it (or the task's)",
+            )
+        try:
+            await self.proxy.renderer(path)
+        except (TokenizerMissing, OSError, ValueError) as exc:
+            raise InvalidInput.one("tokenizer_path", f"does not load: {exc}") from None
+        return path
+
     def session(self, session_id: str, authorization: str | None = None, *, agent: bool = False) -> Session:
         session = self.store.get(session_id)
         if session is None:
@@ -178,44 +237,127 @@ class Gateway:
 
     # -- calls -------------------------------------------------------------------------
 
-    async def complete(self, session: Session, body: dict[str, Any]) -> dict[str, Any]:
-        """Forward one chat completion and record it; the engine's answer, once durable."""
+    async def complete(
+        self,
+        session: Session,
+        body: dict[str, Any],
+        *,
+        headers: Mapping[str, str] | None = None,
+        role: str | None = None,
+        retry_count: int | None = None,
+    ) -> dict[str, Any]:
+        """Forward one chat completion and record it; the engine's answer, once durable.
+
+        ``role`` (else the ``x-rollout-role`` header, else the body's ``metadata.role``) names
+        the call's chain; ``retry_count`` (else ``x-stainless-retry-count``) of 1 or more makes
+        a request with the body of one in flight or recorded an SDK's retry: answered, not
+        recorded again."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise InvalidInput.one("messages", "must be a non-empty list of messages")
+        headers = headers or {}
+        role = _role(body, headers) if role is None else _checked_role(role, "role")
+        if retry_count is None:
+            retry_count = _retry_count(headers)
+        digest = hashlib.blake2b(orjson.dumps(body), digest_size=16).hexdigest()
+        key = (session.session_id, digest)
+        flight = self._flights.get(key) if retry_count > 0 else None
+        if flight is None:
+            if retry_count > 0 and (answered := _recorded(session, digest, body)) is not None:
+                return answered
+            flight = _Flight(asyncio.ensure_future(self._call(session, body, role, digest)))
+            self._flights[key] = flight
+            flight.task.add_done_callback(lambda task: self._landed(key, flight))
+        return await self._join(flight)
+
+    def _landed(self, key: tuple[str, str], flight: _Flight) -> None:
+        if self._flights.get(key) is flight:
+            del self._flights[key]
+        if flight.abandoned is not None:
+            flight.abandoned.cancel()
+        if not flight.task.cancelled():
+            flight.task.exception()  # retrieved: every waiter got it, or none is left to
+
+    async def _join(self, flight: _Flight) -> dict[str, Any]:
+        """The flight's answer; a request cancelled (its agent gone) leaves it, and the last to
+        leave has it cancelled at the engine after ``retry_grace_s`` unless a retry joins."""
+        flight.waiters += 1
+        try:
+            return await asyncio.shield(flight.task)
+        finally:
+            flight.waiters -= 1
+            if not flight.waiters and not flight.task.done():
+                grace_s = self.config.retry_grace_s
+                if grace_s <= 0:
+                    flight.task.cancel()
+                else:
+                    flight.abandoned = asyncio.get_running_loop().call_later(
+                        grace_s, _cancel_unwaited, flight
+                    )
+
+    async def _call(
+        self, session: Session, body: dict[str, Any], role: str | None, digest: str
+    ) -> dict[str, Any]:
         await self._wait_unpaused()
-        kept, files = self.images.keep(messages)
+        kept, files = self.images.keep(body["messages"])
         if files:
             await asyncio.to_thread(write_files, files)
-        upstream = self.proxy.upstream_body(body)
-        answer = await self.proxy.chat(session.engine_urls, upstream, key=session.session_id)
-        reply, finish_reason, tokens = capture(answer)
+        sent, asked = pin(body, session.sampling)
+        parent, shared = parent_of(session.continuations, kept)
+        served = self.buffer.policy.version or 0  # the call's version where the engine says none
+        if session.tokenizer_path is not None:
+            answer, replies = await self._token_call(session, sent, parent)
+        else:
+            answer = await self.proxy.chat(
+                session.engine_urls, self.proxy.upstream_body(sent), key=session.session_id
+            )
+            replies = captures(answer)
         if self.store.get(session.session_id) is not session:
             raise UnknownSession(session.session_id)  # ended while the engine answered
         tools = body.get("tools")
-        parent, shared = parent_of(session.continuations, kept)
-        call = Call(
-            messages=kept[shared:],
-            tools=tools if isinstance(tools, list) else None,
-            sampling={k: v for k, v in body.items() if k not in _NOT_SAMPLING},
-            reply=reply,
-            finish_reason=finish_reason,
-            tokens=None
-            if tokens is None
-            else {
-                "prompt_ids": tokens.prompt_ids,
-                "output_ids": tokens.output_ids,
-                "output_logprobs": tokens.output_logprobs,
-                "weight_version": tokens.weight_version,
-                "engine": tokens.engine,
-            },
-            parent=parent,
-            at=self._clock(),
-        )
+        sampling = {k: v for k, v in sent.items() if k not in _NOT_SAMPLING}
         header = {"e": EVENT_KIND, "op": "call", "id": session.session_id}
-        self.buffer.log_event(header, [call.to_json()])
+        at = self._clock()
+        for choice, (reply, finish_reason, tokens) in enumerate(replies):
+            call = Call(
+                messages=kept[shared:],
+                tools=tools if isinstance(tools, list) else None,
+                sampling=sampling,
+                reply=reply,
+                finish_reason=finish_reason,
+                tokens=None if tokens is None else _token_record(tokens, served),
+                parent=parent,
+                at=at,
+                role=role,
+                request=digest,
+                choice=choice,
+                asked=asked,
+            )
+            self.buffer.log_event(header, [call.to_json()])
         await self.buffer.wait_durable()
         return answer
+
+    async def _token_call(
+        self, session: Session, sent: dict[str, Any], parent: int | None
+    ) -> tuple[dict[str, Any], list[tuple[dict[str, Any], str, TokenCapture | None]]]:
+        """Token mode: the prompt extended from the parent's ids (rendered for a chain's first
+        call), the engine's token route, and the answer as a chat completion."""
+        if sent.get("n") not in (None, 1):
+            raise InvalidInput.one("n", "a session in token mode samples one choice a call")
+        assert session.tokenizer_path is not None
+        previous = None
+        recorded = session.calls[parent].tokens if parent is not None else None
+        if recorded is not None:
+            capture = TokenCapture(recorded["prompt_ids"], recorded["output_ids"])
+            previous = Completion(text="", finish_reason="stop", tokens=capture)
+        try:
+            completion = await self.proxy.complete_tokens(
+                session.engine_urls, session.tokenizer_path, sent, previous, session.session_id
+            )
+        except TemplateError as exc:
+            raise SessionUnusable(f"token mode: {exc}") from exc
+        replies = [(token_reply(completion), completion.finish_reason, completion.tokens)]
+        return chat_answer(replies, str(sent.get("model") or "")), replies
 
     async def _wait_unpaused(self) -> None:
         gate = self.pause_gate
@@ -240,13 +382,14 @@ class Gateway:
     async def end(
         self, session: Session, *, reward: Any = None, discard: bool = False, call: int | None = None
     ) -> WriteResult | None:
-        """Write the session's trajectory (or discard it) and close the session."""
+        """Write the session's trajectories (or discard them) and close the session; the main
+        chain's write (``ended`` has every uid)."""
         if reward is not None:
             await self.reward(session, reward)
-        result = None if discard else self._write(session, call)
-        self._close(session, result)
+        results = None if discard else self._write(session, call)
+        self._close(session, results)
         await self.buffer.wait_durable()
-        return result
+        return None if results is None else results[0]
 
     def ended(self, session_id: str) -> Ended | None:
         """How the session ended, when it is closed and remembered: an end retried answers it."""
@@ -254,26 +397,28 @@ class Gateway:
             return None
         return self.store.ended.get(session_id)
 
-    def _write(self, session: Session, call: int | None) -> WriteResult:
+    def _write(self, session: Session, call: int | None) -> list[WriteResult]:
         if session.reward is None:
             raise SessionUnusable(
                 "the session has no reward: POST /sessions/{id}/reward first, or end with one"
             )
         try:
-            trajectory = assemble(session, session.reward, end=call)
+            trajectories = assemble_chains(session, session.reward, end=call)
         except NothingRecorded as exc:
             raise SessionUnusable(str(exc)) from exc
         except IndexError as exc:
             raise InvalidInput.one("call", str(exc)) from exc
-        checked = parse_json(TRAJECTORY, orjson.dumps(trajectory))
-        return self.buffer.write(checked)
+        checked = parse_json(TRAJECTORIES, orjson.dumps(trajectories))
+        return self.buffer.write_many(checked)  # all chains or none
 
-    def _close(self, session: Session, written: WriteResult | None) -> None:
-        """Close the session: ``written`` as that trajectory, or discarded (None)."""
+    def _close(self, session: Session, written: list[WriteResult] | None) -> None:
+        """Close the session: ``written`` as those trajectories (the main chain's first), or
+        discarded (None)."""
         if written is None:
             ended = Ended("discarded", session.task_type)
         else:
-            ended = Ended("written", written.task_type, written.uid)
+            main = written[0]
+            ended = Ended("written", main.task_type, main.uid, tuple(result.uid for result in written))
         self.buffer.log_event(close_header(session.session_id, ended))
 
     def expire(self) -> int:
@@ -316,4 +461,68 @@ def _on_timeout(value: Any) -> OnTimeout | None:
     return None
 
 
-_NOT_SAMPLING = frozenset({"messages", "tools", "stream", "stream_options", "tool_choice"})
+_NOT_SAMPLING = frozenset({"messages", "tools", "stream", "stream_options", "tool_choice", "metadata"})
+_ROLE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def _checked_role(role: Any, field_name: str) -> str:
+    if not isinstance(role, str) or not _ROLE.fullmatch(role):
+        raise InvalidInput.one(field_name, "must be 1 to 64 letters, digits or '_.:-' (a chain's role)")
+    return role
+
+
+def _role(body: dict[str, Any], headers: Mapping[str, str]) -> str | None:
+    """The role the agent or its harness gave the call: ``x-rollout-role``, else ``metadata.role``."""
+    role = headers.get("x-rollout-role")
+    if role is not None:
+        return _checked_role(role, "x-rollout-role")
+    metadata = body.get("metadata")
+    if isinstance(metadata, dict) and metadata.get("role") is not None:
+        return _checked_role(metadata["role"], "metadata.role")
+    return None
+
+
+def _retry_count(headers: Mapping[str, str]) -> int:
+    try:
+        return int(headers.get("x-stainless-retry-count") or 0)
+    except ValueError:
+        return 0
+
+
+def _recorded(session: Session, digest: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The answer recorded for the latest request with this body (each of its choices), or None."""
+    last = next(
+        (i for i in range(len(session.calls) - 1, -1, -1) if session.calls[i].request == digest), None
+    )
+    if last is None:
+        return None
+    first = last - session.calls[last].choice
+    replies = []
+    for call in session.calls[first : last + 1]:
+        tokens = call.tokens
+        capture = None if tokens is None else TokenCapture(tokens["prompt_ids"], tokens["output_ids"])
+        replies.append((call.reply, call.finish_reason, capture))
+    return chat_answer(replies, str(body.get("model") or ""), f"chatcmpl-{session.session_id}-{first}")
+
+
+def _token_record(tokens: TokenCapture, served: int) -> dict[str, Any]:
+    return {
+        "prompt_ids": tokens.prompt_ids,
+        "output_ids": tokens.output_ids,
+        "output_logprobs": tokens.output_logprobs,
+        "weight_version": tokens.weight_version,
+        "weight_versions": tokens.weight_versions
+        or [[_or(as_version(tokens.weight_version), served), len(tokens.output_ids)]],
+        "engine": tokens.engine,
+    }
+
+
+def _cancel_unwaited(flight: _Flight) -> None:
+    """No request came back for the call: cancel it at the engine."""
+    if not flight.waiters:
+        flight.task.cancel()
+
+
+def _or(version: int | None, served: int) -> int:
+    """The engine's version where it reports a number, else the service's when the call was made."""
+    return served if version is None else version

@@ -4,10 +4,12 @@ Every change is an event ``{"e": "x:gateway", "op": ...}`` that ``RolloutBuffer.
 here and appends to the journal under the buffer's lock, in one step: what the state holds is
 exactly what the journal will replay. The events:
 
-- ``open``: a session, with its task, instance, engine, key, timeout and metadata;
+- ``open``: a session, with its task, instance, engine, key, timeout, metadata, the sampling
+  fields it pins and its tokenizer (token mode);
 - ``call``: one recorded chat completion (payload: the call as JSON), with its parent call;
 - ``reward``: the reward the agent's scorer posted;
-- ``close``: the session was written (its trajectory's ``uid``) or discarded; it is gone, and
+- ``close``: the session was written (its trajectories' ``uids``, the main chain's first) or
+  discarded; it is gone, and
   remembered as ended (the last ``ENDED_KEPT``), so a retried end answers what the first did.
 
 A compaction writes the sessions still open, and those remembered as ended, as the same
@@ -55,6 +57,10 @@ class Session:
     continuations: dict[bytes, int] = field(default_factory=dict)
     #: ``tree.continued`` of each call, by index.
     digests: list[bytes] = field(default_factory=list)
+    #: The sampling fields every call is sent with (``sampling.pin``); empty: the agent's own.
+    sampling: dict[str, Any] = field(default_factory=dict)
+    #: The served model's tokenizer: token mode (``tokens``); None: the engine renders (chat mode).
+    tokenizer_path: str | None = None
 
     def open_header(self) -> dict[str, Any]:
         return {
@@ -69,6 +75,8 @@ class Session:
             "on_timeout": self.on_timeout,
             "at": self.created_at,
             "meta": self.metadata,
+            **({"sampling": self.sampling} if self.sampling else {}),
+            **({"tokenizer": self.tokenizer_path} if self.tokenizer_path else {}),
         }
 
 
@@ -79,6 +87,8 @@ class Ended:
     how: str
     task_type: str
     uid: str | None = None
+    #: Every trajectory written (the main chain's is ``uid``), when there were several.
+    uids: tuple[str, ...] = ()
 
 
 class SessionStore:
@@ -108,6 +118,8 @@ class SessionStore:
                 at,
                 at,
                 header.get("meta") or {},
+                sampling=header.get("sampling") or {},
+                tokenizer_path=header.get("tokenizer"),
             )
             return
         if op == "close":
@@ -135,7 +147,9 @@ class SessionStore:
         if session is not None:
             self.closed[header["how"]] = self.closed.get(header["how"], 0) + 1
         task_type = header.get("t") or (session.task_type if session is not None else "")
-        self.ended[header["id"]] = Ended(header["how"], task_type, header.get("uid"))
+        self.ended[header["id"]] = Ended(
+            header["how"], task_type, header.get("uid"), tuple(header.get("uids") or ())
+        )
         self.ended.move_to_end(header["id"])
         while len(self.ended) > ENDED_KEPT:
             self.ended.popitem(last=False)
@@ -164,7 +178,15 @@ class SessionStore:
 
 def close_header(session_id: str, ended: Ended) -> dict[str, Any]:
     """The ``close`` event of a session that ended as ``ended``."""
-    header = {"e": EVENT_KIND, "op": "close", "id": session_id, "how": ended.how, "t": ended.task_type}
+    header: dict[str, Any] = {
+        "e": EVENT_KIND,
+        "op": "close",
+        "id": session_id,
+        "how": ended.how,
+        "t": ended.task_type,
+    }
     if ended.uid is not None:
         header["uid"] = ended.uid
+    if len(ended.uids) > 1:
+        header["uids"] = list(ended.uids)
     return header

@@ -83,3 +83,36 @@ def path_to(calls: Sequence[Call], end: int) -> list[int]:
         path.append(parent)
     path.reverse()
     return path
+
+
+def chains(calls: Sequence[Call], end: int) -> list[list[int]]:
+    """The conversations a session holds, each a path from a root: first the one through
+    ``end`` (the main chain), then one for each other leaf, in the order they were made.
+
+    A leaf is a call no later call continues. One that a later call of another request repeats
+    (the same parent, the same messages: a retry the agent made, its answer abandoned) is no
+    conversation of its own; the choices of one request (``n > 1``) are each one."""
+    continued_by = {call.parent for call in calls if call.parent is not None}
+    latest: dict[tuple[int | None, bytes], int] = {}
+    for index, call in enumerate(calls):
+        latest[_prompt_key(call)] = index
+    leaves = []
+    for index, call in enumerate(calls):
+        if index == end or index in continued_by:
+            continue
+        key = _prompt_key(call)
+        for other in (latest[key], end):
+            if other != index and key == _prompt_key(calls[other]) and not _one_request(calls, index, other):
+                break  # retried by a later request, or by the one that ended the session
+        else:
+            leaves.append(index)
+    return [path_to(calls, end), *(path_to(calls, leaf) for leaf in leaves)]
+
+
+def _one_request(calls: Sequence[Call], first: int, second: int) -> bool:
+    """Whether two calls are choices of one request (recorded one after another)."""
+    return first - calls[first].choice == second - calls[second].choice
+
+
+def _prompt_key(call: Call) -> tuple[int | None, bytes]:
+    return call.parent, b"\x00".join(message_key(message) for message in call.messages)

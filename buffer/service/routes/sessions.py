@@ -3,6 +3,8 @@
 POST /sessions                                  open: {"session_id", "base_url", "api_key"}
 GET  /sessions/{id}                             its state: calls, tree, reward
 POST /sessions/{id}/v1/chat/completions         proxied to the engine and recorded
+POST /sessions/{id}/v1/messages                 Anthropic's Messages API, recorded alike (``dialects``)
+POST /sessions/{id}/v1/responses                OpenAI's Responses API, recorded alike (``dialects``)
 GET  /sessions/{id}/v1/models                   the engine's models
 POST /sessions/{id}/reward                      {"reward": number | {name: number}}
 POST /sessions/{id}/end                         write the trajectory (or {"discard": true}); retried
@@ -14,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated, Any, Literal
+from collections.abc import Awaitable
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
 from fastapi import APIRouter, Header, Request
@@ -26,10 +29,12 @@ from buffer import encoding, storable
 from buffer.errors import InvalidInput, NotFound
 from buffer.service.gateway.images import media_type
 from buffer.service.gateway.proxy import for_agent, stream_chunks
+from buffer.service.gateway.sampling import PinnedSampling
 from buffer.service.gateway.service import Gateway, SessionUnusable
 from buffer.service.gateway.sessions import MAX_METADATA_BYTES, MAX_SESSION_TIMEOUT_S, Ended
 from buffer.service.models import FiniteNumber, InstanceId, Int64, check_storable
 from buffer.service.responses import envelope
+from buffer.service.routes import dialects
 from buffer.toolkit.llm import LLMError
 
 router = APIRouter(tags=["gateway"])
@@ -45,6 +50,13 @@ class OpenSession(BaseModel):
     )
     timeout_s: Annotated[float, Field(gt=0, le=MAX_SESSION_TIMEOUT_S, allow_inf_nan=False)] | None = None
     on_timeout: Literal["write", "discard"] | None = None
+    sampling: PinnedSampling | None = Field(
+        None, description="sent on every call whatever the agent sends (default: the task's session_sampling)"
+    )
+    token_mode: bool | None = Field(
+        None, description="token in, token out with tokenizer_path (default: the task's session_token_mode)"
+    )
+    tokenizer_path: Annotated[str, Field(min_length=1)] | None = None
 
 
 class RewardBody(BaseModel):
@@ -79,6 +91,9 @@ async def open_session(body: OpenSession, request: Request) -> Response:
         body.metadata,
         body.timeout_s,
         body.on_timeout,
+        sampling=None if body.sampling is None else body.sampling.model_dump(exclude_none=True),
+        token_mode=body.token_mode,
+        tokenizer_path=body.tokenizer_path,
     )
     root = str(request.base_url).rstrip("/")
     return envelope(
@@ -147,16 +162,49 @@ async def chat_completions(request: Request) -> Response:
     if found is not None:
         raise InvalidInput.one(storable.field_name(found[0]), found[1])
     try:
-        answer = await gateway.complete(session, body)
+        answer = await unless_disconnected(request, gateway.complete(session, body, headers=request.headers))
     except LLMError as exc:
         return _engine_error(exc)
+    except AgentGone:
+        return Response(status_code=499)  # nobody reads it
     answer = for_agent(answer, body)
     if body.get("stream"):
         return StreamingResponse(stream_chunks(answer, body), media_type="text/event-stream")
     return Response(orjson.dumps(answer), media_type="application/json")
 
 
-ROUTES = [Route("/sessions/{session_id}/v1/chat/completions", chat_completions, methods=["POST"])]
+_T = TypeVar("_T")
+
+
+class AgentGone(Exception):
+    """The agent disconnected before its answer came."""
+
+
+async def unless_disconnected(request: Request, answer: Awaitable[_T]) -> _T:
+    """``answer``, or ``AgentGone`` once the agent disconnects: the call is then cancelled (the
+    gateway cancels it at the engine unless an SDK's retry comes for it)."""
+    task = asyncio.ensure_future(answer)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        raise AgentGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+ROUTES = [
+    Route("/sessions/{session_id}/v1/chat/completions", chat_completions, methods=["POST"]),
+    *dialects.ROUTES,  # Anthropic Messages, OpenAI Responses: translated into chat completions
+]
 
 _SESSION_ID = {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
 _OBJECT = {"type": "object"}
@@ -180,7 +228,8 @@ OPENAPI_PATHS: dict[str, Any] = {
                 "503": {"description": "generation is paused; retry after Retry-After"},
             },
         }
-    }
+    },
+    **dialects.OPENAPI_PATHS,
 }
 
 
@@ -215,10 +264,17 @@ async def end(session_id: str, request: Request, body: EndBody | None = None) ->
     )
     if result is None:
         return envelope(True, "session discarded", {"written": False})
+    ended = gateway.ended(session_id)
     return envelope(
         True,
         "session written",
-        {"written": True, "uid": result.uid, "task_type": result.task_type, "duplicate": result.duplicate},
+        {
+            "written": True,
+            "uid": result.uid,
+            "uids": list(ended.uids) if ended is not None and ended.uids else [result.uid],
+            "task_type": result.task_type,
+            "duplicate": result.duplicate,
+        },
     )
 
 
@@ -230,7 +286,13 @@ def _ended_before(session_id: str, ended: Ended, body: EndBody) -> Response:
         return envelope(
             True,
             "session already ended: written",
-            {"written": True, "uid": ended.uid, "task_type": ended.task_type, "duplicate": True},
+            {
+                "written": True,
+                "uid": ended.uid,
+                "uids": list(ended.uids) or [ended.uid],
+                "task_type": ended.task_type,
+                "duplicate": True,
+            },
         )
     if body.discard:
         return envelope(True, "session already ended: discarded", {"written": False})
