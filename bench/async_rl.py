@@ -6,11 +6,15 @@ checks every served sample's version lag, then pauses generation (``abort``: the
 aborts what is in flight, the toolkit continues it after the resume), "trains" for
 ``--train-s``, updates the simulator's weights and resumes at the next version.
 
-Printed (``--json`` for one JSON object): the largest lag served, stale and filtered groups,
+Printed (``--json`` for one JSON object): the largest lag served, stale and filtered groups
+(``stale_share``: the groups made in full and then set aside as stale, over all made in full;
+``cancelled_stale_groups``: those cancelled in flight instead, nothing of them written),
 failed / refused / left-aborted trajectories (lost ones), aborted replies served, whether every
 step got a full batch, and ``generation_vs_ideal``: the mean number of engine requests in flight
-while generation was not paused, over ``--num-process`` (1.0: the engines were never left idle
-between pauses). Run as ``python bench/async_rl.py``; the README's figures come from it.
+while generation was not paused, over ``ideal_in_flight`` (``--num-process``, or the samples of
+as many groups as admission lets be pending, when fewer: 1.0, the engines were never left idle
+between pauses while the trainer wanted more). Run as ``python bench/async_rl.py``; the README's
+figures come from it.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ def run(
     train_s: float = 0.1,
     pause_mode: str = "abort",
     isolation: str = "process",
+    declare_batch: bool = False,
     workdir: Path | None = None,
 ) -> dict[str, Any]:
     """One run; returns its figures. ``accuracy`` 0.5 with ``group_size`` 2 makes half the
@@ -88,6 +93,7 @@ def run(
                     num_process=num_process,
                     train_s=train_s,
                     pause_mode=pause_mode,
+                    declare_batch=declare_batch,
                 )
     finally:
         if own is not None:
@@ -106,9 +112,11 @@ def _trainer(
     num_process: int,
     train_s: float,
     pause_mode: str,
+    declare_batch: bool,
 ) -> dict[str, Any]:
     version = 0
-    client.post("/policy", json={"version": version}).raise_for_status()
+    declared = {"rollout_batch_size": groups_per_step} if declare_batch else {}
+    client.post("/policy", json={"version": version, **declared}).raise_for_status()
     epochs = math.ceil(steps * groups_per_step * 4 / 64) + 1  # room for the filter's drops
     started_job = client.post(
         "/start_rollout",
@@ -129,6 +137,7 @@ def _trainer(
     job_id = started_job.json()["job_id"]
     lags: Counter[int] = Counter()
     served_samples = 0
+    served_groups = 0
     aborted_served = 0
     unknown_version = 0
     full_batches = 0
@@ -144,7 +153,9 @@ def _trainer(
                 "/get_rollout_data", json={"task_type": "math", "batch_size": want, "wait_s": 5}
             ).json()
             items = answer["data"]["data"]
-            groups += len({item["instance_id"] for item in items if "padded_from" not in item["extra_info"]})
+            got = len({item["instance_id"] for item in items if "padded_from" not in item["extra_info"]})
+            groups += got
+            served_groups += got
             for item in items:
                 served_samples += 1
                 info = item["extra_info"]
@@ -172,6 +183,11 @@ def _trainer(
     stats = client.get("/buffer/stats").json()["data"]["meta_info"]["tasks"]["math"]
     discarded = stats.get("discarded_groups", {})
     gate = policy["gate"]
+    admission = policy["admission"].get("math") or {}
+    # Every group made in full: served, discarded (filtered or stale), or still ready at the end.
+    generated = served_groups + sum(discarded.values()) + stats.get("ready_groups", 0)
+    # The engines' ideal: every slot busy, or as many as the trainer's demand admits at once.
+    ideal = min(num_process, (admission.get("capacity") or num_process) * group_size)
     return {
         "steps": steps,
         "max_staleness": max_staleness,
@@ -187,6 +203,10 @@ def _trainer(
         "samples_without_version": unknown_version,
         "aborted_replies_served": aborted_served,
         "stale_groups": discarded.get("stale", 0),
+        "generated_groups": generated,
+        "stale_share": round(discarded.get("stale", 0) / generated, 4) if generated else None,
+        "cancelled_stale_groups": admission.get("cancelled_stale", 0),
+        "cancelled_stale_samples": progress.get("cancelled_stale", 0),
         "filtered_groups": sum(count for reason, count in discarded.items() if reason != "stale"),
         "discarded_groups": discarded,
         "trajectories_completed": progress.get("completed"),
@@ -196,14 +216,15 @@ def _trainer(
         "trajectories_left_aborted": progress.get("aborted"),
         "paused_s": progress.get("gate_paused_s", gate["paused_s"]),
         "open_s": progress.get("gate_open_s", gate["open_s"]),
-        "generation_vs_ideal": _vs_ideal(gate, progress, num_process),
+        "generation_vs_ideal": _vs_ideal(gate, progress, ideal),
+        "ideal_in_flight": ideal,
         "mean_step_s": round(sum(step_s) / len(step_s), 4) if step_s else None,
-        "admission": policy["admission"].get("math"),
+        "admission": admission,
     }
 
 
 def _vs_ideal(gate: dict[str, Any], progress: dict[str, Any], num_process: int) -> float:
-    """Mean engine requests in flight while open, over ``num_process``: from the generator's own
+    """Mean engine requests in flight while open, over the ideal: from the generator's own
     gate when it runs in a worker process (its progress), else from the service's."""
     if progress.get("gate_open_s"):
         return round(progress["gate_busy_s"] / progress["gate_open_s"] / num_process, 4)
@@ -226,6 +247,11 @@ def main() -> None:
     parser.add_argument(
         "--isolation", choices=("process", "inline"), default="process", help="where the generator runs"
     )
+    parser.add_argument(
+        "--declare-batch",
+        action="store_true",
+        help="say the batch (rollout_batch_size) in POST /policy; else admission learns it from reads",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     figures = run(
@@ -239,6 +265,7 @@ def main() -> None:
         train_s=args.train_s,
         pause_mode=args.pause_mode,
         isolation=args.isolation,
+        declare_batch=args.declare_batch,
     )
     if args.json:
         print(json.dumps(figures))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import threading
 import time
@@ -12,6 +13,16 @@ from buffer.signal import Signal
 
 #: The versions the requests of the current rollout started under, in order (``recording``).
 _versions: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("policy_versions", default=None)
+#: Whether a request starting under a version can still be served (``guard``).
+_guard: contextvars.ContextVar[Callable[[int], bool] | None] = contextvars.ContextVar(
+    "stale_guard", default=None
+)
+
+
+class StaleWork(asyncio.CancelledError):
+    """The request's group can no longer be served: the trainer is more than ``max_staleness``
+    versions past the lowest version it started under. A cancellation (``CancelledError``), so
+    no ``except Exception`` of a rollout takes it for a failure."""
 
 
 def recording() -> list[int]:
@@ -20,6 +31,12 @@ def recording() -> list[int]:
     versions: list[int] = []
     _versions.set(versions)
     return versions
+
+
+def guard(is_stale: Callable[[int], bool]) -> None:
+    """In this context (one sample's task), ``is_stale(version)`` is asked before each engine
+    request starts: True raises ``StaleWork`` at the gate, before anything reaches the engine."""
+    _guard.set(is_stale)
 
 
 @dataclass(slots=True)
@@ -46,13 +63,29 @@ class Gate:
         self._lock = threading.Lock()
         self._opened = Signal()
         self._idle = Signal()
-        self.version: int | None = None  # until the trainer says one
+        #: Notified when the version changes (a run's stale work is cancelled then).
+        self.versioned = Signal()
+        self._version: int | None = None  # until the trainer says one
+        #: Pauses so far, never reset (``reset_stats`` resets ``stats``): an answer aborted while
+        #: this moved was aborted by a pause, which no continuation budget counts.
+        self.closures = 0
         self.paused = False
         self.in_flight = 0
         self.stats = GateStats()
         self._since = clock()
         #: (start, end) of each pause, end None while paused; for ``paused_between``.
         self._pauses: list[tuple[float, float | None]] = []
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    @version.setter
+    def version(self, version: int | None) -> None:
+        changed = version != self._version
+        self._version = version
+        if changed:
+            self.versioned.notify()
 
     def _account(self, now: float) -> None:
         span = now - self._since
@@ -75,8 +108,11 @@ class Gate:
                     break
                 ticket = self._opened.ticket()  # under the lock: a resume cannot slip past
             await ticket.wait(5.0)
-        if version is not None and (versions := _versions.get()) is not None:
-            versions.append(version)
+        if version is not None and (is_stale := _guard.get()) is not None and is_stale(version):
+            self.leave()
+            raise StaleWork(f"the trainer is at version {version}: this group can no longer be served")
+        if (versions := _versions.get()) is not None:
+            versions.append(0 if version is None else version)  # 0: before the trainer said one
         return version
 
     def leave(self) -> None:
@@ -96,6 +132,7 @@ class Gate:
             self._account(now)
             self.paused = True
             self.stats.pauses += 1
+            self.closures += 1
             self._pauses.append((now, None))
             del self._pauses[:-1000]
             return True

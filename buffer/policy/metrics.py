@@ -1,4 +1,5 @@
-"""The policy's Prometheus metrics: version, pauses, lag of served groups, stale groups, shares.
+"""The policy's Prometheus metrics: version, pauses, lag of served groups, stale groups, shares,
+admission (its capacity, what is outstanding, groups cancelled as stale in flight).
 
 Read from ``Policy.snapshot`` at scrape time, like the rest of ``buffer.service.metrics``.
 """
@@ -51,3 +52,23 @@ def policy_metrics(prefix: str, snapshot: dict[str, Any]) -> Iterator[Metric]:
     for task, value in sorted(snapshot["shares"].items()):
         share.add_metric([task], value)
     yield from (stale, served, share)
+
+    cancelled = CounterMetricFamily(
+        prefix + "groups_cancelled_stale",
+        "Groups cancelled in flight, nothing of them written: past max_staleness before they were made",
+        labels=["task"],
+    )
+    capacity = GaugeMetricFamily(
+        prefix + "admission_capacity",
+        "Groups pending and served at this version at most: (max_staleness + 1) x the trainer's batch",
+        labels=["task"],
+    )
+    outstanding = GaugeMetricFamily(
+        prefix + "admission_outstanding", "Groups admitted and not yet served or dropped", labels=["task"]
+    )
+    for task, admission in sorted(snapshot.get("admission", {}).items()):
+        cancelled.add_metric([task], admission.get("cancelled_stale", 0))
+        if admission.get("capacity") is not None:
+            capacity.add_metric([task], admission["capacity"])
+        outstanding.add_metric([task], admission["outstanding"])
+    yield from (cancelled, capacity, outstanding)

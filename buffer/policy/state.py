@@ -6,7 +6,7 @@ import contextvars
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -64,6 +64,8 @@ class Policy:
         self.engine_kind = "auto"
         self.engine_kinds: dict[str, str] = {}
         self.admissions: dict[str, Admission] = {}
+        #: The trainer's batch (groups) as ``POST /policy`` declared it, by task (None: every task).
+        self.batches: dict[str | None, int] = {}
         #: Served groups by version lag (trainer's version - the group's lowest).
         self.lag: Counter[int] = Counter()
         self.lag_sum = 0
@@ -74,6 +76,8 @@ class Policy:
         self.short_reads = 0
         #: Notified when the version or the pause state changes (``GET /policy/watch``).
         self.changed = Signal()
+        #: Why the last resume was refused (a lower version): paused until a valid one; None after.
+        self.resume_refused: str | None = None
 
     # -- versions and pause --------------------------------------------------------------
 
@@ -81,8 +85,12 @@ class Policy:
         with self._lock:
             if self.version is not None and version < self.version:
                 raise PolicyError(f"version {version} is lower than the current version {self.version}")
+            changed = version != self.version
             self.version = version
             self.gate.version = version
+        if changed:  # the trainer's next batch: admission counts what it serves from here
+            for admission in list(self.admissions.values()):
+                admission.new_version()
         self.notify()
         self.changed.notify()
 
@@ -97,8 +105,15 @@ class Policy:
         return closed
 
     def resume(self, version: int | None) -> None:
+        """Open the gate at ``version``; a lower one than the current is refused (``PolicyError``)
+        and generation stays paused until a valid one comes, the reason in ``resume_refused``."""
         if version is not None:
-            self.set_version(version)
+            try:
+                self.set_version(version)
+            except PolicyError as exc:
+                self.resume_refused = f"resume refused, generation stays paused: {exc}"
+                raise
+        self.resume_refused = None
         self.mode = None
         self.gate.resume(self.version)
         self.changed.notify()
@@ -205,16 +220,63 @@ class Policy:
         return self.admissions.get(task_type)
 
     def start_admission(
-        self, task_type: str, max_staleness: int | None, batch_groups: int, consumed: Callable[[], int]
+        self,
+        task_type: str,
+        max_staleness: int | None,
+        batch_groups: int | None,
+        consumed: Callable[[], int],
+        *,
+        guess_groups: int = 1,
     ) -> Admission:
-        """A new admission for a generator starting on ``task_type``: it counts from now."""
-        admission = Admission(max_staleness, batch_groups, consumed)
+        """A new admission for a generator starting on ``task_type``: it counts from now.
+
+        ``batch_groups``: the trainer's batch as it declared it (None: not declared); else the
+        batch learnt from an earlier job's reads, else ``guess_groups`` until the first read."""
         with self._lock:
             old = self.admissions.get(task_type)
-            if old is not None:
-                admission.batch_groups = max(admission.batch_groups, old.batch_groups)
+            if batch_groups is None:  # said by POST /policy before this job started
+                batch_groups = self.batches.get(task_type, self.batches.get(None))
+            declared = batch_groups is not None
+            if batch_groups is None and old is not None and (old.declared or not old._guess):
+                batch_groups, declared = old.batch_groups, old.declared
+            admission = Admission(
+                max_staleness,
+                guess_groups if batch_groups is None else batch_groups,
+                consumed,
+                lambda: self.served_groups[task_type],
+                lambda: self.gate.paused,
+                declared=declared,
+                versioned=self.version is not None,
+            )
+            if batch_groups is not None and not declared:
+                admission._guess = False  # learnt from the trainer's reads
             self.admissions[task_type] = admission
         return admission
+
+    def start_job_admission(
+        self, task_type: str, data: Mapping[str, Any], consumed: Callable[[], int]
+    ) -> Admission:
+        """The admission of a job of ``task_type`` run with ``data``, started or resumed after a
+        restart alike: its ``max_staleness``, the trainer's ``rollout_batch_size`` (groups) if
+        declared, else a first guess of ``num_process`` trajectories' groups."""
+        group_size = max(1, int(data.get("num_repeat_per_sample") or 1))
+        declared = data.get("rollout_batch_size")
+        staleness = data.get("max_staleness")
+        return self.start_admission(
+            task_type,
+            None if staleness is None else int(staleness),
+            None if declared is None else int(declared),
+            consumed,
+            guess_groups=-(-int(data.get("num_process") or 100) // group_size),
+        )
+
+    def declare_batch(self, batch_groups: int, task_type: str | None = None) -> None:
+        """The trainer's batch, in groups (``POST /policy``): for ``task_type``, or every task."""
+        with self._lock:
+            self.batches[task_type] = batch_groups
+            admissions = [a for name, a in self.admissions.items() if task_type in (None, name)]
+        for admission in admissions:
+            admission.declare(batch_groups)
 
     def notify(self) -> None:
         for admission in list(self.admissions.values()):
@@ -247,6 +309,7 @@ class Policy:
                 "version": self.version,
                 "paused": self.gate.paused,
                 "mode": self.mode,
+                "resume_refused": self.resume_refused,
                 "engine_urls": list(self.engine_urls),
                 "engine_kinds": dict(self.engine_kinds),
                 "gate": self.gate.snapshot(),
@@ -298,3 +361,14 @@ def find_policy(buffer_url: str | None) -> Policy | None:
         return None
     with _registry_lock:
         return _registry.get(_key(buffer_url))
+
+
+def follow_policy(
+    policy: Policy, buffer_url: str, task_type: str, data: Mapping[str, Any], consumed: Callable[[], int]
+) -> Admission:
+    """A job of ``task_type`` starts (or is resumed after a restart) with ``data``: let its
+    generator find the buffer's policy (in this process), and count its admissions from now."""
+    register_policy(buffer_url, policy)
+    set_current_policy(policy)  # the job's task is created in this context
+    policy.gate.reset_stats()
+    return policy.start_job_admission(task_type, data, consumed)

@@ -14,6 +14,7 @@ the ``sim`` extra. It imports nothing of the service.
     model.py         SimModel: rendering prompts, encoding and decoding, the reply a prompt ends in
     replies.py       what the model says, as token ids: drafts, stops, truncation, aborts, logprobs
     sampling.py      what sampling does to a token's logprob (temperature, top-p, top-k, min-p)
+    experts.py       the MoE experts each token is routed to (``--routed-experts``), as SGLang sends them
     tokenizer.py     the built-in tokenizer and chat templates; ``python -m ...tokenizer DIR``
     protocol.py      the request models and the error bodies
     shapes.py        the answer pieces both engines write alike (logprobs, usage, meta_info)

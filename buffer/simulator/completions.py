@@ -14,6 +14,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+from buffer.simulator.experts import routed_experts
 from buffer.simulator.protocol import CompletionRequest, GenerateRequest, stop_strings
 from buffer.simulator.replies import Limits
 from buffer.simulator.sampling import SamplingFields
@@ -122,6 +123,8 @@ def prepare_generate(sim: Simulator, request: GenerateRequest, reply_rng: random
 
     def body() -> dict[str, Any]:
         info = meta_info(generation, len(prompt_ids), sim.weight_version, request.return_logprob, started)
+        if request.return_routed_experts and sim.config.routed_experts:
+            info.update(routed_experts(sim.config.routed_experts, [*prompt_ids, *generation.ids]))
         return {"text": text, "output_ids": generation.ids, "meta_info": info}
 
     chunks = None

@@ -1,4 +1,5 @@
-"""The simulator's settings: one class, read from flags and ``SIM_LLM_*`` variables."""
+"""The simulator's settings: one class, read from flags and ``ROLLOUT_BUFFER_SIM_*`` variables
+(the service's prefix, then ``SIM_``; the former ``SIM_LLM_*`` ones are still read, beneath)."""
 
 from __future__ import annotations
 
@@ -7,26 +8,45 @@ import random
 from typing import Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, CliImplicitFlag, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from buffer.simulator.engines import Engine
 
 LatencyDistribution = Literal["fixed", "uniform", "exponential", "lognormal"]
+#: The service's prefix, then the simulator's: ``ROLLOUT_BUFFER_SIM_PORT``.
+ENV_PREFIX = "ROLLOUT_BUFFER_SIM_"
+FORMER_ENV_PREFIX = "SIM_LLM_"
 
 
 class SimConfig(BaseSettings):
     """Run a simulated OpenAI-compatible LLM server (no model, no GPU) for demos, tests and benchmarks.
-    Every option can also be set as an environment variable SIM_LLM_<OPTION>; flags win over variables.
+    Every option can also be set as an environment variable ROLLOUT_BUFFER_SIM_<OPTION>; flags win
+    over variables.
     At run time, POST /outage {"seconds": 10, "mode": "503" or "reset"} makes every chat completion
     fail for that long (an HTTP 503, or a dropped connection); GET /stats counts what was asked."""
 
     model_config = SettingsConfigDict(
-        env_prefix="SIM_LLM_",
-        cli_kebab_case=True,
-        cli_prog_name="python -m buffer.simulator",
-        cli_implicit_flags=False,
+        env_prefix=ENV_PREFIX,
         extra="ignore",
     )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """The flags, then ``ROLLOUT_BUFFER_SIM_*``, then the former ``SIM_LLM_*`` variables."""
+        former = EnvSettingsSource(settings_cls, env_prefix=FORMER_ENV_PREFIX)
+        return init_settings, env_settings, former
 
     host: str = Field(default="127.0.0.1", description="interface to listen on")
     port: int = Field(default=30000, ge=1, le=65535, description="port to listen on (SGLang's default)")
@@ -44,7 +64,7 @@ class SimConfig(BaseSettings):
             "temperature), else SGLang's own (after temperature, before top-p/top-k/min-p)",
         )
     )
-    dev_mode: CliImplicitFlag[bool] = Field(
+    dev_mode: bool = Field(
         default=False,
         description="vLLM's VLLM_SERVER_DEV_MODE=1: serve its development routes, /pause, /resume and "
         "/is_paused among them (with --engine vllm; 404 without, as vLLM)",
@@ -57,6 +77,13 @@ class SimConfig(BaseSettings):
         description="the built-in tokenizer's template: ChatML (Qwen2.5-style) or thinking (Qwen3-style)",
     )
     weight_version: str = Field(default="default", description="the weight version SGLang reports")
+    routed_experts: str | None = Field(
+        default=None,
+        pattern=r"^[1-9][0-9]*,[1-9][0-9]*$",
+        description="LAYERS,TOPK: SGLang's --enable-return-routed-experts for an MoE model of LAYERS layers "
+        "routing each token to TOPK experts; /generate then answers a request with return_routed_experts "
+        "its meta_info.routed_experts, deterministic per token; null: not served",
+    )
     served_model_name: str = Field(
         default="sim-model", description="the one model /v1/models lists and completions report"
     )
@@ -104,7 +131,7 @@ class SimConfig(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         default="info", description="log level"
     )
-    access_log: CliImplicitFlag[bool] = Field(default=False, description="log every HTTP request")
+    access_log: bool = Field(default=False, description="log every HTTP request")
 
     def sample_latency_s(self, rng: random.Random) -> float:
         """One draw from the configured latency distribution, never negative."""

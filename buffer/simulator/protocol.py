@@ -147,6 +147,7 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = 0
     stream: bool = False
     rid: str | None = None
+    return_routed_experts: bool = False
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

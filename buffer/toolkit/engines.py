@@ -14,7 +14,9 @@ continuation of an aborted answer from its ids). The fields are those of the eng
   sampled ids only in ``meta_info.output_token_logprobs``), ``metadata.weight_version``.
 - SGLang ``/generate``: ``input_ids`` and ``sampling_params`` in; ``output_ids`` and
   ``meta_info`` (``output_token_logprobs`` as ``[logprob, id, text]``, ``finish_reason`` as
-  ``{"type": ...}``, ``weight_version``) out.
+  ``{"type": ...}``, ``weight_version``) out; with ``return_routed_experts`` (a server run with
+  ``--enable-return-routed-experts``), ``meta_info.routed_experts`` (base64 of int32, rows
+  ``(tokens - 1 - routed_experts_start_len, layers, topk)``) too.
 - vLLM ``/v1/completions`` with a token prompt: ``prompt`` (ids), ``logprobs: 0`` and
   ``return_token_ids`` in; ``prompt_token_ids``, ``token_ids`` and
   ``logprobs.token_logprobs`` in the choice.
@@ -88,6 +90,9 @@ class Generated:
     finish_reason: str
     weight_version: str | int | None = None
     prompt_ids: list[int] | None = None  # as the engine echoed them, where it does
+    #: SGLang's ``meta_info.routed_experts`` (base64 of int32) and ``routed_experts_start_len``.
+    routed_experts: str | None = None
+    routed_experts_start: int = 0
 
 
 def chat_tokens(answer: dict[str, Any], choice: dict[str, Any]) -> TokenCapture | None:
@@ -173,12 +178,16 @@ def read_generate(answer: dict[str, Any]) -> Generated:
     reason = finish.get("type") if isinstance(finish, dict) else finish
     text = answer.get("text")
     capture = _capture([], output_ids, logprobs, meta.get("weight_version"))
+    experts = meta.get("routed_experts")
+    start = meta.get("routed_experts_start_len")
     return Generated(
         text=text if isinstance(text, str) else "",
         output_ids=capture.output_ids,
         output_logprobs=capture.output_logprobs,
         finish_reason=reason if isinstance(reason, str) and reason else "stop",
         weight_version=capture.weight_version,
+        routed_experts=experts if isinstance(experts, str) and experts else None,
+        routed_experts_start=start if type(start) is int and start >= 0 else 0,
     )
 
 

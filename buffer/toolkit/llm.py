@@ -60,6 +60,7 @@ from buffer.toolkit.engines import (
     hermes_tool_calls,
 )
 from buffer.toolkit.http11 import Http11Transport
+from buffer.toolkit.parts import continued, entered, step_of, versioned
 from buffer.toolkit.pool import EnginePool, routing_key
 from buffer.toolkit.retries import (
     RETRYABLE_STATUS,
@@ -168,8 +169,10 @@ class EngineClient:
         continuation: ContinuePolicy | None = None,
         transport: httpx.AsyncBaseTransport | Transport | None = None,
         health_interval_s: float = 2.0,
+        routed_experts: bool = False,
     ) -> None:
         self.retry = retry or RetryPolicy()
+        self.routed_experts = routed_experts  # ask SGLang's token route for them (MoE routing replay)
         self.continuation = continuation or ContinuePolicy()
         self.stats = LLMStats()
         #: Closed while the trainer updates the weights (``buffer.policy``): every request
@@ -191,6 +194,11 @@ class EngineClient:
         self._token_routes: dict[str, list[str]] = {}
         #: What this client has logged once (each kind of surprise is said once, then counted).
         self._told: set[str] = set()
+
+    def _pauses(self) -> int:
+        """The gate's pauses so far: an answer aborted while this moved was aborted by the
+        trainer's pause, a continuation no ``max_continuations`` counts."""
+        return self.gate.closures if self.gate is not None else 0
 
     def _engines(self, base_url: str | Sequence[str], request_url: Callable[[str], str]) -> None:
         """The engines behind ``base_url`` (one URL, or several: a pool), each asked at
@@ -219,6 +227,8 @@ class EngineClient:
     ) -> tuple[Generated, int]:
         """One answer of ``route``'s token endpoint to ``prompt_ids``, and the HTTP requests made."""
         body = route.token_request(model, prompt_ids, max_tokens, sampling, seed)
+        if self.routed_experts and route.token_path == "/generate":
+            body["return_routed_experts"] = True
         answer, tries = await self._post(body, self._token_route(route))
         try:
             return route.read_tokens(answer), tries
@@ -296,7 +306,7 @@ class EngineClient:
         picked engine cannot be reached and another is healthy."""
         while True:
             if self.gate is not None:  # paused for a weight update: nothing is sent until resumed
-                await self.gate.enter()
+                entered(await self.gate.enter())  # the version this request is sampled under
             engine = self.pool.pick(key)
             self.stats.requests += 1
             sent[0] += 1
@@ -412,17 +422,20 @@ class ChatClient(EngineClient):
                 base.setdefault(key, value)
         wire = [_on_the_wire(message) for message in messages]
         reply = _Reply()
+        pauses = self._pauses()
         answer, tries = await self._post(dict(base, messages=list(wire)))
         reply.attempts += tries
         self._take_chat(reply, answer, first=True)
-        continuations = 0
+        continuations = counted = 0  # counted: those of aborts no pause made
         while reply.finish_reason == "abort":
             if budget is not None and reply.generated >= budget:
                 reply.finish_reason = "length"  # the budget ran out while aborted: it is truncated
                 break
-            if continuations >= self.continuation.max_continuations:
+            by_pause, pauses = self._pauses() != pauses, self._pauses()
+            if not by_pause and counted >= self.continuation.max_continuations:
                 break
             continuations += 1
+            counted += not by_pause
             wait_s = self.continuation.backoff_s(reply.empty_in_a_row)
             if wait_s:
                 await asyncio.sleep(wait_s)
@@ -551,13 +564,7 @@ class ChatClient(EngineClient):
             self._extend(reply, step)
 
     def _take_ids(self, reply: _Reply, part: Generated, sent: list[int]) -> None:
-        step = TokenCapture(
-            part.prompt_ids if part.prompt_ids is not None else sent,
-            part.output_ids,
-            part.output_logprobs,
-            part.weight_version,
-        )
-        self._extend(reply, step)
+        self._extend(reply, step_of(part, sent))
         reply.finish_reason = part.finish_reason
         reply.tail += part.text
         reply.from_ids = True
@@ -582,9 +589,10 @@ class ChatClient(EngineClient):
 
     def _tokens(self, answer: dict[str, Any], choice: dict[str, Any]) -> TokenCapture | None:
         try:
-            return chat_tokens(answer, choice)
+            step = chat_tokens(answer, choice)
         except AnswerShapeError as exc:
             raise LLMError(f"the policy server's token ids are malformed: {exc}") from exc
+        return None if step is None else versioned(step)
 
 
 @dataclass(slots=True)
@@ -631,29 +639,6 @@ class _Reply:
             if calls:
                 return content, self.reasoning, calls
         return self.content, self.reasoning, self.tool_calls
-
-
-def continued(so_far: TokenCapture, part: TokenCapture) -> tuple[TokenCapture, bool]:
-    """An answer's token record after one more part, and whether the part extended it.
-
-    A part whose prompt (as the engine reported it, or as sent) is the answer's so far, its
-    prompt and output ids, is appended: one prompt, every id sampled after it. Any other part was
-    sampled after another prompt (the engine re-rendered the reply so far): it becomes the
-    record, from its own prompt, so nothing is trained in a context it was not sampled in."""
-    prompt, output = so_far.prompt_ids, so_far.output_ids
-    held = len(prompt)
-    version = part.weight_version if part.weight_version is not None else so_far.weight_version
-    engine = part.engine if part.engine is not None else so_far.engine
-    if (
-        len(part.prompt_ids) == held + len(output)
-        and part.prompt_ids[:held] == prompt
-        and part.prompt_ids[held:] == output
-    ):
-        logprobs = None
-        if so_far.output_logprobs is not None and part.output_logprobs is not None:
-            logprobs = so_far.output_logprobs + part.output_logprobs
-        return TokenCapture(prompt, output + part.output_ids, logprobs, version, engine=engine), True
-    return TokenCapture(part.prompt_ids, part.output_ids, part.output_logprobs, version, engine=engine), False
 
 
 def _on_the_wire(message: Message) -> Message:

@@ -11,6 +11,11 @@ A turn with logprobs says what they are (``logprobs``: ``"sampling"``, ``"raw"``
 its logprobs mode as the run declares it (``/start_rollout``'s ``logprobs_mode``) and the
 request's sampling fields. The trainer side is handed only sampling logprobs; a run whose are
 not says so once in the log (``LogprobsJudge``), naming what to change.
+
+A turn also says the policy version of each output id, as runs ``weight_versions:
+[[version, count], ...]`` (an answer continued across a weight update has several), and, where
+asked (``return_routed_experts``), the engine's routed experts per request (``routed_experts``:
+``[{"start", "rows", "data"}, ...]``, base64 of int32 as SGLang sent them); see ``parts``.
 """
 
 from __future__ import annotations
@@ -98,6 +103,10 @@ def turn_records(
         )
         if tokens.output_logprobs is not None:
             turns[-1]["logprobs"] = judge.kind(tokens.engine, completion.sampling)
+        if tokens.weight_versions is not None:  # per output id, as runs (``parts``)
+            turns[-1]["weight_versions"] = tokens.weight_versions
+        if tokens.routed_experts is not None:
+            turns[-1]["routed_experts"] = tokens.routed_experts
         before = [*prompt, *tokens.output_ids]
     return turns
 

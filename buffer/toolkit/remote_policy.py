@@ -40,11 +40,15 @@ class RemoteAdmission:
     the service is not paid between one group and the next (the service counts it as
     outstanding from then: the bound holds)."""
 
-    def __init__(self, client: httpx.AsyncClient, task_type: str) -> None:
+    def __init__(self, client: httpx.AsyncClient, task_type: str, worker: str = "") -> None:
         self._client = client
         self._task_type = task_type
         self.bounded = True
         self._next: asyncio.Task[None] | None = None
+        #: Groups cancelled as stale in flight, said with each ask (a total: said twice, counted once).
+        self._worker = worker or uuid.uuid4().hex
+        self._cancelled = 0
+        self._report: asyncio.Task[None] | None = None
 
     async def admit(self) -> None:
         if not self.bounded:
@@ -63,7 +67,7 @@ class RemoteAdmission:
             try:
                 answer = await self._client.post(
                     "/policy/admit",
-                    json={"task_type": self._task_type, "wait_s": WATCH_S},
+                    json={"task_type": self._task_type, "wait_s": WATCH_S, **self._said()},
                     timeout=WATCH_S + 30,
                 )
                 answer.raise_for_status()
@@ -76,11 +80,33 @@ class RemoteAdmission:
             if data.get("admitted"):
                 return
 
+    def _said(self) -> dict[str, Any]:
+        return {"worker": self._worker, "cancelled_stale": self._cancelled}
+
+    def cancelled(self, groups: int) -> None:
+        """Say at once that ``groups`` more groups were cancelled (a waiting ask may be the
+        one their room is for)."""
+        self._cancelled += groups
+        if self.bounded and (self._report is None or self._report.done()):
+            self._report = asyncio.create_task(self._tell(), name="admission-report")
+
+    async def _tell(self) -> None:
+        told = -1
+        while told != self._cancelled:  # until what it said is the total now
+            told = self._cancelled
+            try:
+                body = {"task_type": self._task_type, "admit": False, **self._said()}
+                (await self._client.post("/policy/admit", json=body, timeout=30)).raise_for_status()
+            except httpx.HTTPError as exc:  # the next ask says it again
+                logger.warning("admission report: %r", exc)
+                return
+
     async def aclose(self) -> None:
-        if self._next is not None:
-            self._next.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._next
+        for task in (self._next, self._report):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
 
 class RemotePolicy:
@@ -89,10 +115,10 @@ class RemotePolicy:
     def __init__(self, client: httpx.AsyncClient, task_type: str) -> None:
         self._client = client
         self.gate = Gate()
-        self.admission = RemoteAdmission(client, task_type)
         self._watcher: asyncio.Task[None] | None = None
         #: Who this generator is to the service (``Policy.watch_begins``): unique per mirror.
         self.name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.admission = RemoteAdmission(client, task_type, self.name)
         #: The number of the service's last pause, as last heard (-1: not yet heard).
         self.pause = -1
         self._reports = 0

@@ -18,6 +18,7 @@ The HTTP exchange itself is ``llm.EngineClient``'s; this module decides only wha
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tenacity import (
@@ -128,13 +129,14 @@ def retrying(policy: RetryPolicy, gate: Gate | None, sent: list[int]) -> AsyncRe
 class StopOpenTime(stop_base):
     """``stop_before_delay`` on the time the gate was open: a pause spends no retry budget."""
 
-    def __init__(self, policy: RetryPolicy, gate: Gate) -> None:
+    def __init__(self, policy: RetryPolicy, gate: Gate, clock: Callable[[], float] = time.monotonic) -> None:
         self._max_s = policy.max_retry_s
         self._gate = gate
-        self._started = time.monotonic()
+        self._clock = clock  # the gate's: ``paused_between`` takes its times
+        self._started = clock()
 
     def __call__(self, retry_state: RetryCallState) -> bool:
-        now = time.monotonic()
+        now = self._clock()
         open_s = now - self._started - self._gate.paused_between(self._started, now)
         return open_s + (retry_state.upcoming_sleep or 0.0) >= self._max_s
 

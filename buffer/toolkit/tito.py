@@ -43,14 +43,8 @@ from buffer.toolkit.engines import (
     hermes_tool_calls,
     split_reasoning,
 )
-from buffer.toolkit.llm import (
-    EngineClient,
-    LLMError,
-    _sampling_record,
-    continued,
-    engine_base_url,
-    engine_root_url,
-)
+from buffer.toolkit.llm import EngineClient, LLMError, _sampling_record, engine_base_url, engine_root_url
+from buffer.toolkit.parts import continued, step_of
 from buffer.toolkit.types import Completion, Message, TokenCapture
 
 logger = logging.getLogger(__name__)
@@ -265,22 +259,18 @@ class TokenClient(EngineClient):
         record = TokenCapture(prompt, [], [])
         sampled: list[int] = []  # every id sampled, whatever prompt each part had
         attempts = 0
-        continuations = 0
+        continuations = counted = 0  # counted: those of aborts no pause made (``_pauses``)
         mismatched = 0
         empty_in_a_row = 0
         finish_reason = "stop"
         while True:
             remaining = None if budget is None else budget - len(sampled)
             sent = [*record.prompt_ids, *record.output_ids]
+            pauses = self._pauses()
             part, tries = await self._ask(sent, remaining, sampling, seed)
             attempts += tries
             sampled += part.output_ids
-            step = TokenCapture(
-                part.prompt_ids if part.prompt_ids is not None else sent,
-                part.output_ids,
-                part.output_logprobs,
-                part.weight_version,
-            )
+            step = step_of(part, sent)
             record, extended = continued(record, step)
             if not extended:
                 mismatched += 1
@@ -296,7 +286,8 @@ class TokenClient(EngineClient):
             if finish_reason == "abort":
                 if budget is not None and len(sampled) >= budget:
                     finish_reason = "length"
-                elif continuations < self.continuation.max_continuations:
+                elif self._pauses() != pauses or counted < self.continuation.max_continuations:
+                    counted += self._pauses() == pauses
                     continuations += 1
                     empty_in_a_row = 0 if part.output_ids else empty_in_a_row + 1
                     wait_s = self.continuation.backoff_s(empty_in_a_row)

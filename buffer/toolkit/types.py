@@ -36,6 +36,10 @@ class TokenCapture:
     #: The engine that answered ("vllm" or "sglang"), where the client knows it: what its
     #: logprobs are depends on it (``buffer.logprob_kinds``).
     engine: str | None = None
+    #: The policy version of each output id, as runs ``[[version, count], ...]`` (``parts``).
+    weight_versions: list[list[Any]] | None = None
+    #: The engine's routed experts, one segment per request (``parts.experts_segment``), or None.
+    routed_experts: list[dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)

@@ -191,13 +191,8 @@ _REFUSED: tuple[tuple[str, Any, str], ...] = (
         "partial_rollout",
         _differs(False),
         "slime keeps aborted samples to continue them next step; the buffer's generator continues "
-        "an aborted answer itself and its trajectories carry no per-turn policy version to mask",
-    ),
-    (
-        "mask_offpolicy_in_partial_rollout",
-        _differs(False),
-        "trajectories from the buffer carry no per-turn policy version; bound the lag with "
-        "--rollout-buffer-max-staleness instead",
+        "an aborted answer itself, each token's policy version recorded: --mask-offpolicy-in-partial-"
+        "rollout alone masks the tokens sampled under an older one",
     ),
     (
         "over_sampling_batch_size",
@@ -361,8 +356,13 @@ def _payload(
 
 
 def _staleness(args: Any) -> dict[str, Any]:
+    """The task's ``max_staleness``, with slime's batch in groups (``--rollout-batch-size``
+    prompts), so admission is sized by what a step reads from its first group on."""
     bound = getattr(args, "rollout_buffer_max_staleness", None)
-    return {} if bound is None else {"max_staleness": int(bound)}
+    if bound is None:
+        return {}
+    batch = getattr(args, "rollout_batch_size", None)
+    return {"max_staleness": int(bound), **({"rollout_batch_size": int(batch)} if batch else {})}
 
 
 def _train_payload(args: Any) -> dict[str, Any]:

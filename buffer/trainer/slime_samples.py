@@ -41,6 +41,11 @@ here keeps one of those steps from failing or training on the wrong thing:
   sample has them is a configuration error, said at once. When nothing reads them, a mixed
   step drops them all rather than log a mismatch against made-up values. A sample already
   removed from the loss (a refused one) gets 0.0 and never forces either choice.
+- Policy versions and routed experts: with ``--mask-offpolicy-in-partial-rollout``, response
+  tokens sampled under a policy older than the sample's newest (an answer continued across a
+  weight update) are masked out of the loss (``TrainingSample.off_policy_mask``), counted
+  (``off_policy_tokens``); ``rollout_routed_experts`` is the trajectory's routed experts
+  (``return_routed_experts``), shape ``(len(tokens) - 1, num_layers, moe_router_topk)``.
 - Sampling logprobs or none: a sample whose engine logprobs are not the sampling
   distribution's (``TrainingSample.log_probs_withheld``: vLLM without ``--logprobs-mode
   processed_logprobs`` at a temperature other than 1, SGLang with top-k, ...) has none, the
@@ -57,12 +62,14 @@ import io
 import logging
 import math
 import re
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from buffer.keys import key_or_env
 from buffer.trainer.samples import SampleConversionError, SampleConverter, TrainingSample
+from buffer.trainer.samples.experts import INT32
 
 try:
     from slime.utils.types import Sample
@@ -150,6 +157,8 @@ class StepCounts:
     #: Samples re-rendered from text (``metadata["source"] == "rerendered"``), not from token records.
     rerendered_samples: int = 0
     epochs_started: int = 0
+    #: Response tokens masked out as sampled under an older policy (``--mask-offpolicy-in-partial-rollout``).
+    off_policy_tokens: int = 0
 
     def metrics(self) -> dict[str, float]:
         return {f"rollout_buffer/{name}": float(value) for name, value in asdict(self).items()}
@@ -259,6 +268,8 @@ class SampleBuilder:
     def __init__(self, args: Any) -> None:
         self.raw_rewards = slime_normalises_rewards(args)
         self.images = ImageInputs(args)
+        self.mask_off_policy = bool(getattr(args, "mask_offpolicy_in_partial_rollout", False))
+        self.experts_shape = (getattr(args, "num_layers", None), getattr(args, "moe_router_topk", None))
         self.groups_made = 0
         self.trajectories_made = 0
         self.said_withheld = False
@@ -301,6 +312,13 @@ class SampleBuilder:
             self._count_withheld([last], counts)
             sample = to_sample(c.item, last, group_index, index, reward)
             sample.multimodal_train_inputs = train_inputs
+            if self.mask_off_policy and last.token_versions is not None:
+                sample.loss_mask = last.on_policy_loss_mask()
+                counts.off_policy_tokens += sum(last.off_policy_mask())
+            if last.routed_experts is not None:
+                sample.rollout_routed_experts = routed_experts(
+                    last.routed_experts, len(last.tokens) - 1, self.experts_shape
+                )
             entries.append(sample)
         return entries
 
@@ -374,6 +392,25 @@ def to_sample(
         if images is not None:
             sample.multimodal_inputs = images
     return sample
+
+
+def routed_experts(raw: bytes, rows: int, shape: tuple[Any, Any]) -> Any:
+    """slime's ``rollout_routed_experts``: int32 of shape ``(rows, num_layers, moe_router_topk)``
+    (``--num-layers``, ``--moe-router-topk``; without them, one layer of the row's width), a torch
+    tensor in slime (lists where torch is not installed: the tests' stand-in)."""
+    width = len(raw) // (INT32 * rows)
+    layers, topk = shape
+    if not isinstance(layers, int) or not isinstance(topk, int) or layers * topk != width:
+        layers, topk = 1, width
+    try:
+        import torch  # type: ignore[import-not-found, unused-ignore]  # slime installs it
+    except ImportError:
+        flat = array("i", raw).tolist()
+        return [
+            [flat[(r * layers + layer) * topk : (r * layers + layer + 1) * topk] for layer in range(layers)]
+            for r in range(rows)
+        ]
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(rows, layers, topk)
 
 
 def typical(samples: Sequence[tuple[TrainingSample, Any]]) -> tuple[TrainingSample, Any]:

@@ -9,7 +9,7 @@ that run at that step, beside the losses, rather than into a run of the service'
 
     reads = WandbReads()                     # the trainer's wandb.run, or wandb.init(**kwargs)
     batch = buffer.get_rollout_data(task_type="math", batch_size=512)
-    reads.log(batch.meta_info, step=step)    # rollout_buffer/avg_reward, rollout_buffer/math/...
+    reads.log(batch.meta_info, step=step)    # rollout_buffer/avg_reward, rollout_buffer/served/...
 
 Only numbers are logged (lists such as ``finished_groups`` are counted, not sent). ``wandb`` is
 imported when a ``WandbReads`` is made, never at import time, so the base install has no trace
@@ -63,8 +63,14 @@ class WandbReads:
 
     def log(self, meta_info: Mapping[str, Any], step: int | None = None) -> dict[str, float]:
         """Log one read's statistics (an empty read: nothing); returns what was logged."""
+        served = meta_info.get("served")
+        served_any = isinstance(served, Mapping) and served.get("total_samples")
+        if not meta_info.get("total_samples", 1) and not served_any:
+            return {}
+        if not meta_info.get("total_samples", 1):  # nothing written since the last read: only
+            meta_info = {"served": served}  # what it returned, not slime's zeros
         values = flatten(meta_info, self._prefix)
-        if not values or not meta_info.get("total_samples", 1):
+        if not values:
             return {}
         self.reads += 1
         values[f"{self._prefix}reads"] = self.reads

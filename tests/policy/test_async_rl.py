@@ -37,10 +37,13 @@ def test_a_paused_and_versioned_run_serves_nothing_stale_loses_nothing_and_fills
     assert figures["trajectories_lost"] == 0, figures
     assert figures["trajectories_failed"] == 0, figures
     assert figures["trajectories_left_aborted"] == 0, figures
-    # Measured loosely: 0.8-0.9 on a warm, quiet machine, under 0.5 from a fresh clone (the worker
-    # compiles its modules while its gate is open) or beside other work. This guards against
-    # generation stalling between pauses; bench/async_rl.py measures the figure itself.
-    assert figures["generation_vs_ideal"] > 0.3, figures
+    # Measured loosely: 0.6-0.9 on a warm, quiet machine, under 0.4 from a fresh clone (the worker
+    # compiles its modules while its gate is open) or beside other work, and at S = 1 admission
+    # makes only what the next step reads. This guards against generation stalling between
+    # pauses; bench/async_rl.py measures the figure itself.
+    assert figures["generation_vs_ideal"] > 0.15, figures
+    assert figures["stale_share"] <= 0.1, figures  # made only what is read in time
     admission = figures["admission"]
-    assert admission["capacity"] == 2 * admission["batch_groups"]  # (S + 1) reads ahead, no more
+    assert admission["capacity"] == 2 * admission["batch_groups"]  # (S + 1) batches, no more
+    assert admission["batch_groups"] == 3  # the trainer's batch, not num_process
     assert admission["outstanding"] <= admission["capacity"]

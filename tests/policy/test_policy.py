@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,6 +27,7 @@ from buffer.toolkit.llm import ChatClient, RetryPolicy
 from buffer.toolkit.remote_policy import RemotePolicy
 from buffer.toolkit.retries import StopOpenTime
 from buffer.toolkit.runner import run_rollouts
+from tests.support.calls import until
 from tests.support.factories import Collected, group, write_generator
 
 pytestmark = pytest.mark.anyio
@@ -155,13 +156,13 @@ async def test_admission_keeps_s_plus_one_batches_outstanding_and_filtered_group
     consumed = [0]
     admission = Admission(max_staleness=1, batch_groups=2, consumed=lambda: consumed[0])
     for _ in range(4):
-        await asyncio.wait_for(admission.admit(), 1)
+        await asyncio.wait_for(admission.admit(), 30)
     blocked = asyncio.ensure_future(admission.admit())
     await asyncio.sleep(0.05)
     assert not blocked.done()
     consumed[0] += 1  # a group left the buffer: served, or dropped by the filter
     admission.notify()
-    await asyncio.wait_for(blocked, 1)
+    await asyncio.wait_for(blocked, 30)
     assert admission.admitted == 5
     admission.saw_read(3)  # the trainer reads bigger batches: more room
     assert admission.capacity == 6
@@ -170,7 +171,7 @@ async def test_admission_keeps_s_plus_one_batches_outstanding_and_filtered_group
 async def test_without_a_bound_admission_never_waits() -> None:
     admission = Admission(max_staleness=None, batch_groups=1, consumed=lambda: 0)
     for _ in range(100):
-        await asyncio.wait_for(admission.admit(), 1)
+        await asyncio.wait_for(admission.admit(), 30)
 
 
 # -- the gate -----------------------------------------------------------------------------------
@@ -185,25 +186,32 @@ async def test_requests_wait_at_a_closed_gate_and_record_the_version_they_start_
     await asyncio.sleep(0.05)
     assert not entered.done()
     gate.resume(5)
-    assert await asyncio.wait_for(entered, 1) == 5
+    assert await asyncio.wait_for(entered, 30) == 5
     assert versions == [5]
     assert gate.in_flight == 1
     drained = asyncio.ensure_future(gate.drained(5))
     await asyncio.sleep(0.01)
     assert not drained.done()
     gate.leave()
-    assert await asyncio.wait_for(drained, 1)
+    assert await asyncio.wait_for(drained, 30)
 
 
 def test_paused_time_spends_no_retry_budget() -> None:
-    gate = Gate()
-    stop = StopOpenTime(RetryPolicy(max_retry_s=0.2), gate)
-    gate.pause()
-    time.sleep(0.3)
-    gate.resume()
+    now = [100.0]
+    gate = Gate(clock=lambda: now[0])
+    stop = StopOpenTime(RetryPolicy(max_retry_s=2.0), gate, clock=lambda: now[0])
     state: Any = SimpleNamespace(upcoming_sleep=0.0)
-    assert not stop(state)  # 0.3 s passed, all of it paused
-    time.sleep(0.25)
+    now[0] += 1.0
+    gate.pause()
+    now[0] += 30.0
+    gate.resume()
+    assert not stop(state)  # 31 s passed, 30 of them paused
+    now[0] += 0.9
+    assert not stop(state)
+    state.upcoming_sleep = 0.2
+    assert stop(state)  # 1.9 s open and a 0.2 s wait: past the budget
+    state.upcoming_sleep = 0.0
+    now[0] += 0.2
     assert stop(state)
 
 
@@ -235,7 +243,7 @@ def test_policy_routes(client: TestClient) -> None:
     refused = client.post("/policy", json={"version": 1})
     assert refused.status_code == 409
     assert "lower" in refused.json()["message"]
-    paused = client.post("/policy/pause", json={"mode": "drain", "timeout_s": 1}).json()["data"]
+    paused = client.post("/policy/pause", json={"mode": "drain", "timeout_s": 30}).json()["data"]
     assert paused["paused"]
     assert paused["drained"]
     assert client.get("/policy").json()["data"]["paused"] is True
@@ -253,9 +261,10 @@ def test_unknown_read_fields_are_refused_naming_them(client: TestClient) -> None
     assert client.post("/buffer/read", json={"batch_size": 4, "timeout": 0, "wait": False}).status_code == 200
 
 
-def test_start_rollout_refuses_fields_a_declaring_generator_does_not_read(
-    client: TestClient, generator_dir: Path
+def test_start_rollout_refuses_fields_a_generator_does_not_read(
+    make_client: Callable[..., TestClient], generator_dir: Path
 ) -> None:
+    client = make_client(group_size=4, check_engines=False)  # no engine at 127.0.0.1:1
     body = "async def run_rollout(data):\n    return None\n"
     strict = "TASK_TYPE = 'strict'\nSTART_ROLLOUT_FIELDS = ('difficulty',)\n" + body
     write_generator(generator_dir, "strict_generator.py", strict)
@@ -283,7 +292,12 @@ def test_start_rollout_refuses_fields_a_declaring_generator_does_not_read(
     refused = client.post("/start_rollout", json={"task_type": "strict", "restart": True, "weigths": 3})
     assert refused.status_code == 422
     assert "weigths" in refused.text
-    assert client.post("/start_rollout", json={"task_type": "legacy", "anything": 1}).status_code == 200
+    # A generator that declares nothing reads no field of its own; "*" says it reads any.
+    assert client.post("/start_rollout", json={"task_type": "legacy", "anything": 1}).status_code == 422
+    write_generator(
+        generator_dir, "open_generator.py", "TASK_TYPE = 'open'\nSTART_ROLLOUT_FIELDS = '*'\n" + body
+    )
+    assert client.post("/start_rollout", json={"task_type": "open", "anything": 1}).status_code == 200
     # The service's own job fields are fields of /start_rollout for every generator.
     workers = client.post(
         "/start_rollout",
@@ -299,20 +313,22 @@ async def test_the_simulator_aborts_in_flight_requests_on_pause_and_holds_new_on
     app = create_sim_app(SimConfig(latency_mean_s=2.0, seed=0))
     transport = httpx.ASGITransport(app=app)
     body = {"model": "sim-model", "messages": [{"role": "user", "content": "What is 1 + 1?"}]}
-    async with httpx.AsyncClient(transport=transport, base_url="http://sim") as sim:
+    stats = app.state.simulator.stats
+    async with httpx.AsyncClient(transport=transport, base_url="http://sim", timeout=30) as sim:
         in_flight = asyncio.ensure_future(sim.post("/v1/chat/completions", json=body))
-        await asyncio.sleep(0.1)
+        await until(lambda: stats.in_flight == 1, what="the request sleeping through its latency")
         assert (await sim.post("/pause_generation", json={"mode": "abort"})).json()["success"]
-        aborted = (await asyncio.wait_for(in_flight, 1)).json()
+        aborted = (await asyncio.wait_for(in_flight, 30)).json()
         assert aborted["choices"][0]["finish_reason"] == "abort"
         held = asyncio.ensure_future(sim.post("/v1/chat/completions", json=body))
+        await until(lambda: stats.in_flight == 1, what="the request held at the pause")
         await asyncio.sleep(0.1)
         assert not held.done()
         update = await sim.post("/update_weights_from_disk", json={"model_path": "/m", "weight_version": "7"})
         assert update.json()["success"]
         await sim.post("/continue_generation")
         app.state.simulator.config.latency_mean_s = 0.0
-        answer = (await asyncio.wait_for(held, 5)).json()
+        answer = (await asyncio.wait_for(held, 30)).json()
     assert answer["metadata"]["weight_version"] == "7"
     assert app.state.simulator.control.snapshot()["aborted"] == 1
 
@@ -320,20 +336,23 @@ async def test_the_simulator_aborts_in_flight_requests_on_pause_and_holds_new_on
 async def test_a_simulated_vllm_pauses_as_vllm_does_and_serves_no_sglang_route() -> None:
     app = create_sim_app(SimConfig(engine="vllm", dev_mode=True, latency_mean_s=2.0, seed=0))
     body = {"model": "sim-model", "messages": [{"role": "user", "content": "What is 1 + 1?"}]}
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sim") as sim:
+    stats = app.state.simulator.stats
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://sim", timeout=30) as sim:
         assert (await sim.post("/pause_generation", json={"mode": "abort"})).status_code == 404
         in_flight = asyncio.ensure_future(sim.post("/v1/chat/completions", json=body))
-        await asyncio.sleep(0.1)
+        await until(lambda: stats.in_flight == 1, what="the request sleeping through its latency")
         assert (await sim.post("/pause", params={"mode": "abort"})).json() == {"status": "paused"}
-        aborted = (await asyncio.wait_for(in_flight, 1)).json()
+        aborted = (await asyncio.wait_for(in_flight, 30)).json()
         assert aborted["choices"][0]["finish_reason"] == "abort"
         assert (await sim.get("/is_paused")).json() == {"is_paused": True}
         held = asyncio.ensure_future(sim.post("/v1/chat/completions", json=body))
+        await until(lambda: stats.in_flight == 1, what="the request held at the pause")
         await asyncio.sleep(0.1)
         assert not held.done()
         assert (await sim.post("/resume")).json() == {"status": "resumed"}
         app.state.simulator.config.latency_mean_s = 0.0
-        assert (await asyncio.wait_for(held, 5)).json()["choices"][0]["finish_reason"] == "stop"
+        assert (await asyncio.wait_for(held, 30)).json()["choices"][0]["finish_reason"] == "stop"
 
 
 @pytest.mark.parametrize(
@@ -356,14 +375,14 @@ async def test_each_simulated_engine_answers_404_for_pause_routes_it_does_not_se
 
 def test_a_pause_reaches_a_vllm_engine_and_its_resume_too(client: TestClient, process: Any) -> None:
     engine = process("-m", "buffer.simulator", "--engine", "vllm", "--dev-mode", name="vllm")
-    paused = client.post("/policy/pause", json={"mode": "abort", "engine_urls": [engine], "timeout_s": 5})
+    paused = client.post("/policy/pause", json={"mode": "abort", "engine_urls": [engine], "timeout_s": 30})
     assert paused.status_code == 200, paused.text
     assert paused.json()["data"]["drained"] is True
     assert paused.json()["data"]["engines"] == {engine: "vllm paused"}
-    assert httpx.get(f"{engine}/is_paused", trust_env=False).json() == {"is_paused": True}
+    assert httpx.get(f"{engine}/is_paused", trust_env=False, timeout=30).json() == {"is_paused": True}
     assert client.get("/policy").json()["data"]["engine_kinds"] == {engine: "vllm"}
     assert client.post("/policy/resume").status_code == 200
-    assert httpx.get(f"{engine}/is_paused", trust_env=False).json() == {"is_paused": False}
+    assert httpx.get(f"{engine}/is_paused", trust_env=False, timeout=30).json() == {"is_paused": False}
 
 
 def test_a_pause_no_engine_takes_is_an_error_naming_each_engine(client: TestClient, process: Any) -> None:
@@ -447,7 +466,7 @@ def test_admission_over_http_waits_for_room(client: TestClient) -> None:
     refused = client.post("/policy/admit", json={"task_type": "math", "wait_s": 0.1}).json()["data"]
     assert refused["admitted"] is False
     consumed[0] += 1
-    assert client.post("/policy/admit", json={"task_type": "math", "wait_s": 1}).json()["data"]["admitted"]
+    assert client.post("/policy/admit", json={"task_type": "math", "wait_s": 30}).json()["data"]["admitted"]
     free = client.post("/policy/admit", json={"task_type": "other", "wait_s": 0}).json()["data"]
     assert free == {"admitted": True, "bounded": False}
 
@@ -457,28 +476,21 @@ async def test_a_generator_in_another_process_mirrors_the_pause_and_the_version(
     remote = await RemotePolicy.connect(url, "math")
     assert remote is not None
     try:
-        async with httpx.AsyncClient(base_url=url, trust_env=False) as buffer:
+        async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=30) as buffer:
             await buffer.post("/policy", json={"version": 2})
             await buffer.post("/policy/pause", json={"mode": "drain"})
-            await until(lambda: remote.gate.paused)
+            await until(lambda: remote.gate.paused, what="the pause mirrored")
             assert remote.gate.version == 2
             entered = asyncio.ensure_future(remote.gate.enter())
             await asyncio.sleep(0.1)
             assert not entered.done()  # no engine request while the trainer holds the engines
             await buffer.post("/policy/resume", json={"version": 3})
-            assert await asyncio.wait_for(entered, 5) == 3
+            assert await asyncio.wait_for(entered, 30) == 3
         await remote.admission.admit()  # no bound on the task: asks once, then never again
         assert remote.admission.bounded is False
     finally:
         await remote.aclose()
     assert await RemotePolicy.connect("http://127.0.0.1:9", "math") is None
-
-
-async def until(condition: Any, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.01)
 
 
 async def test_a_generator_writing_to_a_buffer_elsewhere_holds_its_requests_while_paused(
@@ -495,13 +507,13 @@ async def test_a_generator_writing_to_a_buffer_elsewhere_holds_its_requests_whil
         "remote_buffer_url": url,
         "num_repeat_per_sample": 2,
     }
-    async with httpx.AsyncClient(base_url=url, trust_env=False) as buffer:
+    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=30) as buffer:
         await buffer.post("/policy", json={"version": 1})
         await buffer.post("/policy/pause", json={"mode": "drain"})
         written = Collected()
         run = asyncio.ensure_future(run_rollouts(data, reward=lambda sample, episode: 1.0, sink=written))
         await asyncio.sleep(0.5)
-        async with httpx.AsyncClient(trust_env=False) as sim:
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as sim:
             stats = (await sim.get(f"{engine}/stats")).json()
         assert stats["requests"] == 0  # nothing reached the engine while paused
         assert not run.done()

@@ -141,7 +141,8 @@ async def test_retries_stop_when_max_retry_s_is_spent() -> None:
     async with client(retry=retry) as llm:
         with pytest.raises(LLMError, match=r"failed [0-9]+ times over [0-9.]+ s; last: .*503"):
             await llm.complete(PROMPT)
-    assert 0.25 <= time.monotonic() - started < 2.0  # stopped near the budget, not at a count
+    # Stopped at the budget, not at a count; the slack above it is a busy machine's.
+    assert 0.25 <= time.monotonic() - started < 10
     assert route.call_count > 4
 
 
@@ -388,7 +389,9 @@ async def test_sglang_token_ids_logprobs_and_weight_version_are_captured(ids: bo
     body = sent(route)
     assert body["logprobs"] is True
     assert body["return_prompt_token_ids"] is body["return_token_ids"] is body["return_meta_info"] is True
-    assert completion.tokens == TokenCapture([4, 5], [9, 10, 11], [-0.5, -1.0, -1.5], "7", engine="sglang")
+    expected = TokenCapture([4, 5], [9, 10, 11], [-0.5, -1.0, -1.5], "7", engine="sglang")
+    expected.weight_versions = [[7, 3]]  # each output id's version, as runs
+    assert completion.tokens == expected
 
 
 @respx.mock
@@ -415,20 +418,31 @@ async def test_ids_and_logprobs_that_disagree_in_length_are_an_error_not_a_recor
 async def test_an_abort_with_new_tokens_is_continued_at_once() -> None:
     respx.post(URL).mock(side_effect=[answer("a", "abort", tokens=1)] * 5 + [answer("b")])
     started = time.monotonic()
-    async with client(continuation=ContinuePolicy(delay_s=1.0)) as llm:
+    async with client(continuation=ContinuePolicy(delay_s=60.0)) as llm:
         completion = await llm.complete(PROMPT)
     assert completion.continuations == 5
-    assert time.monotonic() - started < 0.5  # no fixed pause per abort
+    assert time.monotonic() - started < 30  # no pause per abort: one would be a minute
 
 
 @respx.mock
-async def test_only_an_abort_that_brought_nothing_waits_and_the_wait_doubles() -> None:
+async def test_only_an_abort_that_brought_nothing_waits_and_the_wait_doubles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    waits: list[float] = []
+    backoff_s = ContinuePolicy.backoff_s
+
+    def spy(policy: ContinuePolicy, empty_in_a_row: int) -> float:
+        waits.append(backoff_s(policy, empty_in_a_row))
+        return waits[-1]
+
+    monkeypatch.setattr(ContinuePolicy, "backoff_s", spy)
     respx.post(URL).mock(side_effect=[answer("", "abort", tokens=0)] * 2 + [answer("b")])
     started = time.monotonic()
     async with client(continuation=ContinuePolicy(delay_s=0.1)) as llm:
         completion = await llm.complete(PROMPT)
     assert completion.text == "b"
-    assert 0.3 <= time.monotonic() - started < 1.0  # 0.1 s, then 0.2 s
+    assert waits == [0.1, 0.2]
+    assert time.monotonic() - started >= 0.3  # and they were waited
     assert ContinuePolicy(delay_s=1.0, max_delay_s=3.0).backoff_s(5) == 3.0
 
 

@@ -39,24 +39,25 @@ async def test_calls_run_off_the_loop_in_the_callers_context_and_raise_to_it() -
 
 async def test_blocking_calls_run_at_once_up_to_max_threads() -> None:
     offload = Offload(max_threads=4)
-    started = time.monotonic()
+    together = threading.Barrier(4, timeout=60)  # passed only by 4 calls running at once
     try:
-        await asyncio.gather(*(offload.run(time.sleep, 0.2) for _ in range(4)))
+        await asyncio.gather(*(offload.run(together.wait) for _ in range(4)))
     finally:
         offload.close()
-    assert time.monotonic() - started < 0.6  # one after the other: 0.8 s
 
 
 async def test_a_slow_call_does_not_hold_back_the_results_before_it() -> None:
     offload = Offload(max_threads=1)
+    release = threading.Event()
     try:
         quick = asyncio.ensure_future(offload.run(lambda: "quick"))
-        slow = asyncio.ensure_future(offload.run(time.sleep, 0.5))
-        started = time.monotonic()
+        slow = asyncio.ensure_future(offload.run(release.wait, 60))
         assert await quick == "quick"
-        assert time.monotonic() - started < 0.3
-        await slow
+        assert not slow.done()  # the slow call is still running: the quick one did not wait for it
+        release.set()
+        assert await slow is True
     finally:
+        release.set()
         offload.close()
 
 

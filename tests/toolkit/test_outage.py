@@ -8,6 +8,7 @@ simulator is made to fail every request for 10 s while the job is under way.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from buffer.simulator import SimConfig, create_sim_app
 from buffer.toolkit.llm import ChatClient, RetryPolicy
 from buffer.toolkit.runner import run_rollouts
 from buffer.toolkit.types import Episode, Sample
-from tests.support.calls import wait_for
+from tests.support.calls import until, wait_for
 from tests.support.factories import Collected
 
 OUTAGE_S = 10.0
@@ -60,7 +61,14 @@ def one(sample: Sample, episode: Episode) -> float:
 @pytest.mark.anyio
 async def test_a_run_rides_out_an_outage_and_its_progress_counts_the_failures(tmp_path: Path) -> None:
     app = create_sim_app(SimConfig(latency_mean_s=0.01, accuracy=1.0, seed=0))
-    sink = DownAfter(lambda: app.state.outage.start(0.3, "503"), after=10)
+    # Down at the 10th trajectory, up again once three requests have failed: counted, not timed.
+    sink = DownAfter(lambda: app.state.outage.start(600, "503"), after=10)
+    failed = app.state.simulator.stats.by_status
+
+    async def end_the_outage() -> None:
+        await until(lambda: failed[503] >= 3, what="requests failing in the outage")
+        app.state.outage.start(0, "503")
+
     data = {
         "task_type": "math",
         "input_file": str(math_rows(tmp_path / "rows.jsonl", 20)),
@@ -72,7 +80,9 @@ async def test_a_run_rides_out_an_outage_and_its_progress_counts_the_failures(tm
     transport = httpx.ASGITransport(app=app)
     async with ChatClient("http://sim", retry=retry, transport=transport) as llm:
         llm.stats.failed("HTTP 500")  # a failure before the run is not the run's
+        ending = asyncio.ensure_future(end_the_outage())
         progress = await run_rollouts(data, reward=one, sink=sink, llm=llm)
+        await asyncio.wait_for(ending, 30)
     assert (progress.completed, progress.total, progress.failed) == (40, 40, 0)
     assert Counter(t["instance_id"] for t in sink.trajectories) == {f"m{i}": 2 for i in range(20)}
     assert len({t["uid"] for t in sink.trajectories}) == 40
@@ -87,7 +97,7 @@ async def test_a_run_rides_out_an_outage_and_its_progress_counts_the_failures(tm
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)
 def test_the_math_generator_resumes_after_a_ten_second_outage_and_loses_nothing(
     process: Callable[..., str], tmp_path: Path
 ) -> None:
@@ -99,7 +109,7 @@ def test_the_math_generator_resumes_after_a_ten_second_outage_and_loses_nothing(
         name="simulator",
     )  # fmt: skip
     buffer_url = process("buffer.py", "--log-level", "warning", "--input-roots", str(tmp_path), name="buffer")
-    with httpx.Client(base_url=buffer_url, timeout=10, trust_env=False) as client:
+    with httpx.Client(base_url=buffer_url, timeout=30, trust_env=False) as client:
         job_id = client.post(
             "/start_rollout",
             json={
@@ -120,16 +130,15 @@ def test_the_math_generator_resumes_after_a_ten_second_outage_and_loses_nothing(
             return found
 
         wait_for(
-            lambda: job()["progress"].get("completed", 0) >= 40, 20, "40 trajectories before the outage", 0.1
+            lambda: job()["progress"].get("completed", 0) >= 40, 60, "40 trajectories before the outage", 0.1
         )
-        httpx.post(f"{engine}/outage", json={"seconds": OUTAGE_S, "mode": "reset"}, trust_env=False)
-        during = wait_for(
-            lambda: job()["progress"].get("request_failures"), OUTAGE_S, "failures on the job", 0.1
-        )
-        assert job()["status"] == "running"  # the failures show while the outage lasts
+        outage = {"seconds": OUTAGE_S, "mode": "reset"}
+        assert httpx.post(f"{engine}/outage", json=outage, trust_env=False, timeout=30).status_code == 200
+        during = wait_for(lambda: job()["progress"].get("request_failures"), 60, "failures on the job", 0.1)
+        assert job()["status"] == "running"  # the failures show while the job runs
 
         done = wait_for(
-            lambda: (lambda j: j if j["status"] != "running" else None)(job()), 45, "the job's end", 0.1
+            lambda: (lambda j: j if j["status"] != "running" else None)(job()), 120, "the job's end", 0.1
         )
         stats = client.get("/buffer/stats").json()["data"]
         items: list[dict[str, Any]] = []
@@ -137,7 +146,7 @@ def test_the_math_generator_resumes_after_a_ten_second_outage_and_loses_nothing(
             body = client.post("/get_rollout_data", json={"task_type": "math", "wait_s": 1}).json()
             assert body["success"], f"{len(items)} of {rows * repeats} trajectories read"
             items += body["data"]["data"]
-    simulator = httpx.get(f"{engine}/stats", trust_env=False).json()
+    simulator = httpx.get(f"{engine}/stats", trust_env=False, timeout=30).json()
 
     assert done["status"] == "succeeded", done
     progress = done["progress"]

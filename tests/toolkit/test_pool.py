@@ -182,7 +182,7 @@ async def test_a_dead_engine_is_taken_out_nothing_is_lost_and_it_comes_back_when
         assert len(engines[0].asked) + len(engines[2].asked) >= 480 - served_before_death
 
         await engines[1].start()  # same port
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 60  # checked every 0.05 s: a minute is a busy machine's slack
         while not llm.pool.engines[1].healthy and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
         assert llm.pool.engines[1].healthy  # the health check put it back

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -79,10 +78,8 @@ def engine(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, Recording
     server = uvicorn.Server(uvicorn.Config(recording, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the simulator did not start"
-        time.sleep(0.02)
+    wait_for(lambda: server.started or not thread.is_alive(), 120, "the simulator starting")
+    assert server.started, "the simulator did not start"
     yield name, f"http://127.0.0.1:{port}", recording
     server.should_exit = True
     thread.join(timeout=10)

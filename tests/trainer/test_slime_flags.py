@@ -102,6 +102,7 @@ def test_the_hook_registers_the_adapters_flags() -> None:
     payload = slime_rollout._train_payload(_args(**vars(args)))
     assert payload["num_process"] == "32"
     assert payload["max_staleness"] == 2
+    assert payload["rollout_batch_size"] == 2  # slime's batch, in groups: admission's size
 
 
 def test_the_hook_is_at_the_old_import_path() -> None:
@@ -214,7 +215,6 @@ def _written(tmp_path: Path, text: str) -> Path:
     ("flag", "value", "said"),
     [
         ("partial_rollout", True, "--partial-rollout"),
-        ("mask_offpolicy_in_partial_rollout", True, "--mask-offpolicy-in-partial-rollout"),
         ("over_sampling_batch_size", 4, "--over-sampling-batch-size"),
         ("dynamic_sampling_filter_path", "mod.keep", "--dynamic-sampling-filter-path"),
         ("rollout_sample_filter_path", "mod.keep", "--rollout-sample-filter-path"),
@@ -232,6 +232,10 @@ def _written(tmp_path: Path, text: str) -> Path:
 def test_a_flag_the_adapter_cannot_honour_is_refused_up_front(flag: str, value: Any, said: str) -> None:
     with pytest.raises(ValueError, match=said):
         slime_rollout.check_args(_args(**{flag: value}))
+
+
+def test_masking_off_policy_tokens_is_honoured() -> None:
+    slime_rollout.check_args(_args(mask_offpolicy_in_partial_rollout=True))  # per-token versions: issue 24
 
 
 def test_slimes_defaults_are_accepted() -> None:

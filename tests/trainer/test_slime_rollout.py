@@ -215,6 +215,8 @@ def test_each_step_sets_the_policy_version_and_pauses_generation_until_the_next(
         assert policy["paused"] is True  # held while slime trains and syncs the weights
         for sample in samples:
             assert step + 1 - sample.metadata["policy_version_min"] <= 1
-    assert buffer_get(args.rollout_buffer_url, "/policy")["admission"]["math"]["max_staleness"] == 1
+    admission = buffer_get(args.rollout_buffer_url, "/policy")["admission"]["math"]
+    assert admission["max_staleness"] == 1
+    assert admission["batch_groups"] == args.rollout_batch_size  # declared, not guessed
     slime_rollout.generate_rollout(args, 3, source)
     assert buffer_get(args.rollout_buffer_url, "/policy")["version"] == 4

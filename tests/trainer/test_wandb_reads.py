@@ -71,6 +71,14 @@ def test_each_read_is_logged_at_the_trainers_step_and_an_empty_read_is_not(wandb
     assert run.finished
 
 
+def test_a_read_draining_a_backlog_logs_what_it_served_not_zeros(wandb: types.ModuleType) -> None:
+    reads = WandbReads(project="rl")
+    served = {"total_samples": 8, "num_groups": 2, "avg_reward": 0.625}
+    logged = reads.log({"total_samples": 0, "avg_reward": 0, "served": served}, step=7)
+    assert logged["rollout_buffer/served/avg_reward"] == 0.625
+    assert "rollout_buffer/avg_reward" not in logged  # slime's figure: nothing written since
+
+
 def test_the_trainers_own_run_is_used_and_left_open(wandb: types.ModuleType) -> None:
     trainer_run = StandInRun()
     wandb.run = trainer_run  # type: ignore[attr-defined]

@@ -30,8 +30,11 @@ class TrainingSample:
     under mask 0, or is None where the engine's are not known, or not known to be the sampling
     distribution's: then ``log_probs_withheld`` says why (``buffer.logprob_kinds``).
     ``weight_versions`` holds the engine's weight version of each turn of the sample (None where
-    it reported none; empty without token records); ``tools`` are the tools the model was given,
-    as the trajectory records them.
+    it reported none; empty without token records); ``token_versions`` the policy version of each
+    response token (None on context and where unknown; None without per-token records), for
+    ``off_policy_mask``; ``routed_experts`` the engine's routed experts of every token but the last
+    (int32 bytes, rows of ``layers * topk``; ``buffer.trainer.samples.experts``), or None;
+    ``tools`` are the tools the model was given, as the trajectory records them.
     ``multimodal_inputs`` holds the trajectory's images (``{"images": [url, ...]}``, slime's field;
     ``buffer.trainer.samples.multimodal``), or None.
     """
@@ -50,10 +53,26 @@ class TrainingSample:
     tools: list[dict[str, Any]] | None = None
     multimodal_inputs: dict[str, Any] | None = None
     log_probs_withheld: str | None = None
+    token_versions: list[int | None] | None = None
+    routed_experts: bytes | None = None
 
     @property
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
+
+    def off_policy_mask(self, version: int | None = None) -> list[int]:
+        """1 on each response token sampled under a policy older than ``version`` (default: the
+        sample's newest), 0 elsewhere (context, unknown versions, no versions at all)."""
+        versions = self.token_versions or []
+        known = [v for v in versions if v is not None]
+        if not known:
+            return [0] * self.response_length
+        bound = max(known) if version is None else version
+        return [int(v is not None and v < bound) for v in versions]
+
+    def on_policy_loss_mask(self, version: int | None = None) -> list[int]:
+        """The loss mask with the tokens of ``off_policy_mask(version)`` taken out."""
+        return [m * (1 - off) for m, off in zip(self.loss_mask, self.off_policy_mask(version), strict=True)]
 
 
 def sample_status(finish_reason: object) -> SampleStatus:

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from buffer.logprob_kinds import turn_kind
+from buffer.trainer.samples import experts
 from buffer.trainer.samples.multimodal import multimodal_inputs
 from buffer.trainer.samples.sample import SampleConversionError, SampleStatus, TrainingSample, sample_status
 
@@ -61,18 +62,26 @@ class Branch:
     #: Why ``log_probs`` is None though the engine gave logprobs: they are not sampling logprobs.
     withheld: str | None = None
     weight_versions: list[Any] = field(default_factory=list)
+    #: The policy version of each response token (None on context and where unknown).
+    token_versions: list[int | None] = field(default_factory=list)
+    #: The routed experts' segments of its turns (``experts``), in order.
+    experts: list[tuple[int, int, bytes]] = field(default_factory=list)
     finish_reason: object = None
     first_turn: int = 0
 
     def add_context(self, ids: Sequence[int]) -> None:
         self.tokens.extend(ids)
         self.loss_mask.extend([0] * len(ids))
+        self.token_versions.extend([None] * len(ids))
         if self.log_probs is not None:
             self.log_probs.extend([0.0] * len(ids))
 
-    def add_output(self, ids: Sequence[int], log_probs: Sequence[float] | None) -> None:
+    def add_output(
+        self, ids: Sequence[int], log_probs: Sequence[float] | None, versions: Sequence[int | None] = ()
+    ) -> None:
         self.tokens.extend(ids)
         self.loss_mask.extend([1] * len(ids))
+        self.token_versions.extend(versions if len(versions) == len(ids) else [None] * len(ids))
         if self.log_probs is not None:
             if log_probs is None:
                 self.log_probs = None
@@ -113,7 +122,8 @@ def branches(turns: Sequence[Mapping[str, Any]]) -> list[Branch]:
             if kind != "sampling":
                 log_probs = None
                 current.withheld = _withheld(n, kind, turn)
-        current.add_output(output_ids, log_probs)
+        current.add_output(output_ids, log_probs, _token_versions(turn, len(output_ids)))
+        current.experts.extend(experts.segments(turn))
         current.weight_versions.append(turn.get("weight_version"))
         current.finish_reason = turn.get("finish_reason")
     assert current is not None
@@ -157,6 +167,10 @@ def samples_from_turns(
                 uid=trajectory.get("uid"),
                 instance_id=trajectory.get("instance_id"),
                 weight_versions=branch.weight_versions,
+                token_versions=branch.token_versions
+                if any(v is not None for v in branch.token_versions)
+                else None,
+                routed_experts=experts.layout(branch.experts, len(branch.tokens) - 1),
                 tools=tools if isinstance(tools, list) else None,
                 multimodal_inputs=images,
             )
@@ -188,6 +202,31 @@ def _turn(turn: Mapping[str, Any], n: int) -> tuple[list[int], int, list[int], l
                 f"turns.{n}.output_logprobs: {len(log_probs)} values for {len(output_ids)} output_ids"
             )
     return prompt_ids, offset, output_ids, log_probs
+
+
+def _token_versions(turn: Mapping[str, Any], count: int) -> list[int | None]:
+    """The version of each of a turn's output ids: its runs (``weight_versions: [[version,
+    count], ...]``) where they add up to its output, else its ``weight_version`` for all."""
+    runs = turn.get("weight_versions")
+    versions: list[int | None] = []
+    if isinstance(runs, list):
+        for run in runs:
+            if not (isinstance(run, list) and len(run) == 2 and type(run[1]) is int and run[1] >= 0):
+                versions = []
+                break
+            versions.extend([_version(run[0])] * run[1])
+    if len(versions) == count:
+        return versions
+    return [_version(turn.get("weight_version"))] * count
+
+
+def _version(value: object) -> int | None:
+    """A version as a number (SGLang reports strings); None for anything else ("default")."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return None
 
 
 def _withheld(n: int, kind: object, turn: Mapping[str, Any]) -> str:
