@@ -4,6 +4,11 @@
 ``Ready`` (the final items, encoded once, for reads to hand out as they are), ``Discarded``
 (with the reason) or ``SetAside`` (a hook raised or broke the contract; kept for inspection).
 It never raises on account of a hook.
+
+Hooks that read only a trajectory's small fields (the defaults, and an evaluation's: see
+``reads_small_fields``) get items of those fields alone (``hook_item``): its messages and
+token records stay the bytes they were written as, and the final items are the small fields
+encoded again with those bytes after them. Hooks a generator defines see whole items.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from buffer import encoding
-from buffer.core.hooks import Hooks
+from buffer.core.hooks import EVALUATION_HOOKS, Hooks
+from default_func import HOOKS
 
 REQUIRED_KEYS = ("uid", "instance_id", "messages", "reward", "extra_info")
 
@@ -42,6 +48,9 @@ class GroupRules:
 @dataclass(slots=True)
 class Ready:
     items: list[bytes]
+    #: The raw rewards of the items that are no padded copy, for the statistics of the reads
+    #: that serve the group (``served_rewards``); None: not known (a replayed outcome).
+    rewards: tuple[float, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -57,6 +66,52 @@ class SetAside:
 
 
 Outcome = Ready | Discarded | SetAside
+
+
+#: The hooks a group goes through, in order (``get_group_data_meta_info`` reads the window).
+PIPELINE_HOOKS = (
+    "is_valid_group",
+    "filter_item",
+    "normalize_group_data",
+    "pad_group_data",
+    "transform_group",
+)
+#: For each, the functions known to read no more of an item than its small fields (the
+#: default ``filter_item`` checks that ``messages`` is a list, which validation ensured).
+_SMALL_FIELD_HOOKS = {name: {HOOKS[name].default, getattr(EVALUATION_HOOKS, name)} for name in PIPELINE_HOOKS}
+#: Where a small-fields item keeps the trajectory it came from: (raw, head). Not a string, so
+#: no JSON key can be it; ``{**item}`` and ``dict(item)`` (a padded copy) keep it.
+_SOURCE = object()
+#: The ``messages`` of a small-fields item: a list, as validation ensured the real ones are.
+_ELIDED: list[Any] = []
+
+
+def reads_small_fields(hooks: Hooks) -> bool:
+    """Whether every hook of the pipeline reads only the small fields of an item
+    (``encoding.BULKY`` aside): then the hooks get ``hook_item``s of those alone."""
+    return all(getattr(hooks, name) in _SMALL_FIELD_HOOKS[name] for name in PIPELINE_HOOKS)
+
+
+def hook_item(raw: bytes, head: int) -> dict[str, Any]:
+    """The item the hooks get of a trajectory: its small fields alone where ``head`` says
+    where they end (``encoding.dumps_parted``), else the whole trajectory decoded."""
+    if not head:
+        return encoding.loads(raw)  # type: ignore[no-any-return]
+    item = encoding.small_fields(raw, head)
+    item["messages"] = _ELIDED
+    item[_SOURCE] = (raw, head)  # type: ignore[index]
+    return item
+
+
+def encode_item(item: dict[str, Any]) -> bytes:
+    """A final item's JSON: a small-fields item's fields joined to the bytes it came from."""
+    source = item.pop(_SOURCE, None)  # type: ignore[call-overload]
+    if source is None:
+        return encoding.dumps(item)
+    if item.get("messages") is _ELIDED:
+        del item["messages"]
+    raw, head = source
+    return encoding.with_small_fields(item, raw, head)
 
 
 class _HookBroke(Exception):
@@ -121,9 +176,23 @@ def _process(
     _check_items(final)
     _give_distinct_uids(final)
     try:
-        return Ready([encoding.dumps(item) for item in final])
+        return Ready([encode_item(item) for item in final], served_rewards(final))
     except TypeError as exc:  # orjson.JSONEncodeError is a TypeError
         raise _HookBroke("transform_group", f"an item cannot be encoded as JSON: {exc}") from exc
+
+
+def served_rewards(items: list[dict[str, Any]]) -> tuple[float, ...]:
+    """The raw reward (``raw_reward``, else ``reward``) of each item that is not a padded copy
+    (``extra_info.padded_from``): what a read's ``served`` statistics average."""
+    rewards = []
+    for item in items:
+        extra_info = item.get("extra_info")
+        if isinstance(extra_info, dict) and "padded_from" in extra_info:
+            continue
+        reward = item.get("raw_reward", item.get("reward"))
+        if isinstance(reward, int | float) and not isinstance(reward, bool):
+            rewards.append(float(reward))
+    return tuple(rewards)
 
 
 def _call(name: str, fn: Any, *args: Any) -> Any:

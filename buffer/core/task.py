@@ -7,6 +7,11 @@ read pipeline at once and then waits, encoded, in finishing order.
 
 Open groups sit in an ``OrderedDict`` kept in order of their last write, so the groups that
 time out are always at its front: a timeout check costs O(groups that expire), never a scan.
+Each is kept as one flat tuple of atoms (``Stored``), which CPython's collector stops tracking
+the first time it looks (a tuple exactly, not a subclass such as a ``NamedTuple``, nor one
+holding a tuple it still tracks): a million pending groups add nothing to a full collection,
+which would otherwise stop the event loop for seconds. ``TaskBuffer.open`` shows them as
+``OpenGroup``s.
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ import heapq
 import logging
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 from buffer import encoding
@@ -28,7 +33,9 @@ from buffer.core.pipeline import (
     Outcome,
     Ready,
     SetAside,
+    hook_item,
     process_group,
+    reads_small_fields,
 )
 from buffer.core.records import Event, encode
 from buffer.core.stats import RewardStats
@@ -36,6 +43,11 @@ from buffer.core.stats import RewardStats
 logger = logging.getLogger(__name__)
 
 InstanceId = str | int
+
+#: A group a job made, as its task counts it: its instance and its epoch, the
+#: ``extra_info.epoch`` its trajectories all say (None where they do not: a generator not
+#: written with the toolkit, or one group of several epochs' trajectories).
+JobGroup = tuple[InstanceId, int | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,23 +67,57 @@ class TaskSettings:
 
 
 class Record(NamedTuple):
-    """One buffered trajectory: its JSON, and the two fields the buffer itself reads.
-
-    A tuple of atomic values, so the garbage collector stops tracking it: a buffer of a
-    million trajectories adds nothing to each full collection.
-    """
+    """One buffered trajectory: its JSON, and the two fields the buffer itself reads; ``head``:
+    where its small fields end in ``raw`` (``encoding.dumps_parted``; 0: not parted, as in a
+    journal written before)."""
 
     uid: str
     reward: float
     raw: bytes
+    head: int = 0
 
 
-@dataclass(slots=True)
-class OpenGroup:
+class OpenGroup(NamedTuple):
+    """A group still filling, as ``TaskBuffer.open`` shows it."""
+
     instance_id: InstanceId
     size: int
     last_write_s: float
-    records: list[Record] = field(default_factory=list)
+    records: tuple[Record, ...]
+
+
+#: An open group as kept: ``(instance_id, size, last_write_s, *fields)``, ``fields`` the fields of
+#: its records (a ``Record``'s, one record after another); past ``_TUPLE_FIELDS`` (a tuple grows
+#: by a copy) ``(instance_id, size, last_write_s, [*fields])``.
+Stored = tuple[Any, ...]
+_FIELDS = len(Record._fields)
+_TUPLE_FIELDS = 64 * _FIELDS
+
+
+def _fields(group: Stored) -> Sequence[Any]:
+    return group[3] if type(group[3]) is list else group[3:]
+
+
+def _view(group: Stored) -> OpenGroup:
+    fields = _fields(group)
+    records = tuple(Record(*fields[at : at + _FIELDS]) for at in range(0, len(fields), _FIELDS))
+    return OpenGroup(group[0], group[1], group[2], records)
+
+
+class OpenGroups(Mapping[InstanceId, OpenGroup]):
+    """The open groups of a task, oldest write first, as ``OpenGroup``s made on access."""
+
+    def __init__(self, groups: OrderedDict[InstanceId, Stored]) -> None:
+        self._groups = groups
+
+    def __getitem__(self, instance_id: InstanceId) -> OpenGroup:
+        return _view(self._groups[instance_id])
+
+    def __iter__(self) -> Iterator[InstanceId]:
+        return iter(self._groups)
+
+    def __len__(self) -> int:
+        return len(self._groups)
 
 
 @dataclass(slots=True)
@@ -81,6 +127,9 @@ class ReadyGroup:
     instance_id: InstanceId
     items: list[bytes]
     ready_at: float = 0.0  # wall-clock seconds it finished; 0: unknown (restored from a snapshot)
+    #: The raw rewards of its items that are no padded copy (``pipeline.served_rewards``);
+    #: None where not known yet (restored from a snapshot: the read decodes the items).
+    rewards: tuple[float, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -147,7 +196,8 @@ class TaskBuffer:
         self._sequence = sequence
         self._on_ready = on_ready
         self.log = log
-        self.open: OrderedDict[InstanceId, OpenGroup] = OrderedDict()
+        self._open: OrderedDict[InstanceId, Stored] = OrderedDict()
+        self.open = OpenGroups(self._open)
         self.ready: deque[ReadyGroup] = deque()
         self.set_aside: deque[SetAsideGroup] = deque(maxlen=keep_set_aside)
         self.pending_items = 0
@@ -158,9 +208,10 @@ class TaskBuffer:
         self.delivered_groups = 0
         self.discarded: Counter[str] = Counter()
         self.set_aside_total = 0
-        #: While a generator job runs for this task: the groups of each instance finished since
-        #: it started, whatever their outcome, for a resumed job to skip (see ``RolloutBuffer``).
-        self.job_finished: Counter[InstanceId] | None = None
+        #: While a generator job runs for this task: the groups finished since it started,
+        #: whatever their outcome, by instance and epoch (``JobGroup``), for a resumed job to
+        #: skip (see ``RolloutBuffer.resume_point``). One entry per (instance, epoch).
+        self.job_finished: Counter[JobGroup] | None = None
         self.rewards = RewardStats()  # every raw reward written, for metrics and the dashboard
         # How long the groups reads took had waited since they finished: the trainer's lag.
         # Kept since the service started (not restored: Prometheus reads a restart as a reset).
@@ -200,15 +251,17 @@ class TaskBuffer:
         self.hooks_source = hooks_source or self.task_type
         # A custom meta hook needs the trajectories written since the last read; the default doesn't.
         self._keep_window_records = "get_group_data_meta_info" in hooks.overridden
+        # The defaults read only the small fields: a finished group decodes those alone.
+        self._small_fields = reads_small_fields(hooks)
 
     def log_to(self, log: Callable[[bytes], None] | None) -> None:
         """Send the record of every group that finishes from now on to ``log`` (a store's
         ``append``; None: keep none)."""
         self.log = log
 
-    def start_job_count(self, finished: Iterable[tuple[InstanceId, int]] = ()) -> None:
-        """Count the groups of each instance that finish from now on (``job_finished``),
-        starting from ``finished``: a job runs for this task."""
+    def start_job_count(self, finished: Iterable[tuple[JobGroup, int]] = ()) -> None:
+        """Count the groups of each instance and epoch that finish from now on
+        (``job_finished``), starting from ``finished``: a job runs for this task."""
         self.job_finished = Counter(dict(finished))
 
     def stop_job_count(self) -> None:
@@ -217,13 +270,21 @@ class TaskBuffer:
     def add(self, instance_id: InstanceId, record: Record, now: float, *, finish: bool = True) -> None:
         """Add to the instance's open group; finish it when full (unless replaying the
         journal, whose next record says how it finished)."""
-        group = self.open.get(instance_id)
+        group = self._open.get(instance_id)
         if group is None:
-            group = self.open[instance_id] = OpenGroup(instance_id, self.settings.group_size, now)
+            size = self.settings.group_size
+            group = (instance_id, size, now, *record)
         else:
-            self.open.move_to_end(instance_id)
-            group.last_write_s = now
-        group.records.append(record)
+            size, fields = group[1], group[3]
+            if type(fields) is list:
+                fields.extend(record)
+                group = (instance_id, size, now, fields)
+            elif len(group) - 3 < _TUPLE_FIELDS:
+                group = (instance_id, size, now, *group[3:], *record)
+            else:
+                group = (instance_id, size, now, [*group[3:], *record])
+            self._open.move_to_end(instance_id)
+        self._open[instance_id] = group
         self.pending_items += 1
         self.written += 1
         self.window.add(record.reward)
@@ -231,19 +292,19 @@ class TaskBuffer:
         self.window_instances.add(instance_id)
         if self._keep_window_records:
             self.window_records.append((instance_id, record))
-        if finish and len(group.records) >= group.size:
-            del self.open[instance_id]
+        if finish and len(_fields(group)) >= size * _FIELDS:
+            del self._open[instance_id]
             self._finish(group, timed_out=False)
 
     def expire(self, now: float) -> int:
         """Finish every group with no write for ``group_timeout_s``; returns how many."""
         timeout_s = self.settings.group_timeout_s
         expired = 0
-        while self.open:
-            group = next(iter(self.open.values()))
-            if now - group.last_write_s < timeout_s:
+        while self._open:
+            group = next(iter(self._open.values()))
+            if now - group[2] < timeout_s:
                 break
-            self.open.popitem(last=False)
+            self._open.popitem(last=False)
             self._finish(group, timed_out=True)
             expired += 1
         return expired
@@ -251,28 +312,32 @@ class TaskBuffer:
     def finish_full(self) -> None:
         """Finish the groups that are full but open: after a restart cut the journal between
         a group's last write and its outcome."""
-        for group in [group for group in self.open.values() if len(group.records) >= group.size]:
-            del self.open[group.instance_id]
+        for group in [g for g in self._open.values() if len(_fields(g)) >= g[1] * _FIELDS]:
+            del self._open[group[0]]
             self._finish(group, timed_out=False)
 
-    def _finish(self, group: OpenGroup, *, timed_out: bool) -> None:
+    def _finish(self, stored: Stored, *, timed_out: bool) -> None:
+        group = _view(stored)
         self.pending_items -= len(group.records)
         settings = self.settings
+        # The hooks see whole items where the task defines any; else the small fields alone.
+        small = self._small_fields
+        items = [hook_item(record.raw, record.head if small else 0) for record in group.records]
+        epoch = epoch_of(items)  # before the hooks, which may change the items
         if timed_out and len(group.records) / group.size < settings.min_timeout_group_size_ratio:
             outcome: Outcome = Discarded(TIMEOUT_TOO_SMALL)
         else:
             rules = GroupRules(
                 group.size, settings.min_valid_group_size_ratio, settings.min_valid_item_size_ratio
             )
-            items = [encoding.loads(record.raw) for record in group.records]
             outcome = process_group(
                 self.task_type, group.instance_id, items, rules, self.hooks, timed_out=timed_out
             )
         seq = self._sequence() if isinstance(outcome, Ready) else -1
         at = time.time()
         if self.log is not None:
-            self.log(_finish_record(self.task_type, group, outcome, seq, at))
-        self._settle(group, outcome, seq, at)
+            self.log(_finish_record(self.task_type, group, outcome, seq, at, epoch))
+        self._settle(group, outcome, seq, at, epoch)
         if isinstance(outcome, Discarded):
             logger.debug(
                 "task %s: discarded group %r (%s)", self.task_type, group.instance_id, outcome.reason
@@ -287,12 +352,15 @@ class TaskBuffer:
                 outcome.traceback,
             )
 
-    def _settle(self, group: OpenGroup, outcome: Outcome, seq: int, at: float) -> None:
-        """Put a finished group where its outcome says: ready, counted as discarded, or aside."""
+    def _settle(self, group: OpenGroup, outcome: Outcome, seq: int, at: float, epoch: int | None) -> None:
+        """Put a finished group where its outcome says: ready, counted as discarded, or aside;
+        ``epoch``: the one its trajectories say (``epoch_of``)."""
         if self.job_finished is not None:
-            self.job_finished[group.instance_id] += 1
+            self.job_finished[group.instance_id, epoch] += 1
         if isinstance(outcome, Ready):
-            self.ready.append(ReadyGroup(seq, self.task_type, group.instance_id, outcome.items, at))
+            self.ready.append(
+                ReadyGroup(seq, self.task_type, group.instance_id, outcome.items, at, outcome.rewards)
+            )
             self.ready_items += len(outcome.items)
             self._on_ready()
             return
@@ -318,7 +386,7 @@ class TaskBuffer:
     def replay_finish(self, event: Event) -> None:
         """Apply a journal record of ``_finish``."""
         header = event.header
-        group = self.open.pop(header["i"])
+        group = _view(self._open.pop(header["i"]))
         self.pending_items -= len(group.records)
         kind = header["o"]
         if kind == "ready":
@@ -327,7 +395,7 @@ class TaskBuffer:
             outcome = Discarded(header["reason"])
         else:
             outcome = SetAside(header["hook"], header["error"], header["tb"])
-        self._settle(group, outcome, header.get("seq", -1), header["at"])
+        self._settle(group, outcome, header.get("seq", -1), header["at"], header.get("ep"))
 
     # -- snapshots -------------------------------------------------------------------
 
@@ -343,7 +411,8 @@ class TaskBuffer:
         ``wall_of`` turns this buffer's clock into wall-clock time."""
         task = self.settings_record(current=False)
         open_groups = [
-            (g.instance_id, g.size, wall_of(g.last_write_s), list(g.records)) for g in self.open.values()
+            (g.instance_id, g.size, wall_of(g.last_write_s), g.records)
+            for g in map(_view, self._open.values())
         ]
         ready, aside = list(self.ready), list(self.set_aside)
         window_records = list(self.window_records)
@@ -374,6 +443,7 @@ class TaskBuffer:
                     "last": last_write,
                     "u": [r.uid for r in group],
                     "r": [r.reward for r in group],
+                    "h": [r.head for r in group],
                 }
                 yield encode(header, [r.raw for r in group])
             for g in ready:
@@ -390,12 +460,17 @@ class TaskBuffer:
         """Apply a snapshot record (``open``, ``ready``, ``aside``, ``task_state``)."""
         header, kind = event.header, event.header["e"]
         if kind == "open":
-            records = [
-                Record(*fields) for fields in zip(header["u"], header["r"], event.parts(), strict=True)
+            parts = event.parts()
+            heads = header.get("h") or [0] * len(parts)  # none in a snapshot written before
+            fields = [
+                field
+                for record in zip(header["u"], header["r"], parts, heads, strict=True)
+                for field in record
             ]
-            group = OpenGroup(header["i"], header["size"], monotonic_of(header["last"]), records)
-            self.open[group.instance_id] = group
-            self.pending_items += len(records)
+            instance_id, size, last = header["i"], header["size"], monotonic_of(header["last"])
+            kept = (*fields,) if len(fields) <= _TUPLE_FIELDS else (fields,)
+            self._open[instance_id] = (instance_id, size, last, *kept)
+            self.pending_items += len(parts)
         elif kind == "ready":
             items = event.parts()
             self.ready.append(ReadyGroup(header["seq"], self.task_type, header["i"], items))
@@ -420,7 +495,8 @@ class TaskBuffer:
             self.set_aside_total = header["set_aside_total"]
             self.rewards = RewardStats.from_json(header["rewards"])
             self.window = RewardStats.from_json(header["window"])
-            self.window_instances = set(header["window_instances"])
+            self.window_instances.clear()  # the same set: a frozen one stays frozen (see close_window)
+            self.window_instances.update(header["window_instances"])
             self.finished_instance_ids = header["finished"]
             self.window_discarded = Counter(header["window_discarded"])
             self.window_records = [
@@ -509,13 +585,15 @@ class TaskBuffer:
         """Start a new statistics window (a read returned groups); returns the one closed."""
         closed = Window(
             self.window,
-            self.window_instances,
+            set(self.window_instances),
             self.window_records,
             self.finished_instance_ids,
             self.window_discarded,
         )
         self.window = RewardStats()
-        self.window_instances = set()
+        # Emptied, not replaced: the service freezes a task's containers (``gc.freeze``) so a full
+        # collection never visits the million instance ids a long window can hold; a new set would not be.
+        self.window_instances.clear()
         self.window_records = []
         self.finished_instance_ids = []
         self.window_discarded = Counter()
@@ -526,7 +604,7 @@ class TaskBuffer:
         (the read that closed it was taken back); ``popped``: the groups that read took from
         this task, whose ids ``take_ready`` had added to its finished ids."""
         self.window = closed.stats.merge(self.window)
-        self.window_instances = closed.instances | self.window_instances
+        self.window_instances |= closed.instances
         self.window_records = closed.records + self.window_records
         finished = closed.finished[: len(closed.finished) - popped]
         self.finished_instance_ids = finished + self.finished_instance_ids
@@ -556,8 +634,28 @@ class TaskBuffer:
         }
 
 
-def _finish_record(task_type: str, group: OpenGroup, outcome: Outcome, seq: int, at: float) -> bytes:
+def extra_int(item: Any, key: str) -> int | None:
+    """A trajectory's ``extra_info[key]`` where it is an integer (the toolkit writes
+    ``epoch`` and ``repeat``); else None."""
+    extra_info = item.get("extra_info") if isinstance(item, dict) else None
+    value = extra_info.get(key) if isinstance(extra_info, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def epoch_of(items: Iterable[Any]) -> int | None:
+    """The epoch a group's trajectories say (``extra_info.epoch``) when they all say the same
+    one; None when one says none or they differ (its instance's groups are then counted
+    whatever their epoch)."""
+    epochs = {extra_int(item, "epoch") for item in items}
+    return epochs.pop() if len(epochs) == 1 else None
+
+
+def _finish_record(
+    task_type: str, group: OpenGroup, outcome: Outcome, seq: int, at: float, epoch: int | None
+) -> bytes:
     header: dict[str, Any] = {"e": "fin", "t": task_type, "i": group.instance_id, "at": at}
+    if epoch is not None:
+        header["ep"] = epoch  # for a replay to count the group as the run did
     if isinstance(outcome, Ready):
         return encode({**header, "o": "ready", "seq": seq}, outcome.items)
     if isinstance(outcome, Discarded):

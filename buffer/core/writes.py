@@ -4,7 +4,8 @@
 the buffer's lock:
 
 1. ``prepare`` makes each trajectory's ``Record``: the scalar reward (``reward_key`` of a dict
-   of named rewards), a uid if it has none, its JSON encoded once. A batch is checked whole
+   of named rewards), a uid if it has none, its JSON encoded once, small fields first
+   (``encoding.dumps_parted``: a finished group's default hooks decode those alone). A batch is checked whole
    before anything is written: a bad trajectory refuses it all;
 2. ``WritePath.check_room`` refuses a batch that would take the buffer past its limit, when
    a task it opens groups of holds more than its fair share of that limit;
@@ -61,7 +62,7 @@ def prepare(prefix: str, item: Mapping[str, Any], reward_key: str | None) -> tup
     if "extra_info" not in item:
         item = {**item, "extra_info": {}}
     try:
-        raw = encoding.dumps(item)
+        raw, head = encoding.dumps_parted(item)
     except encoding.EncodeError as exc:  # validation cannot see it: an integer beyond 64 bits
         path = encoding.huge_integer_at(item)
         if path is None:
@@ -69,7 +70,7 @@ def prepare(prefix: str, item: Mapping[str, Any], reward_key: str | None) -> tup
         field = prefix + ".".join(str(part) for part in path)
         limits = f"{encoding.INT64_MIN} to {encoding.INT64_MAX}"
         raise InvalidInput.one(field, f"must be a 64-bit integer, {limits}") from None
-    return item["instance_id"], Record(uid, float(reward), raw)
+    return item["instance_id"], Record(uid, float(reward), raw, head)
 
 
 def scalar_reward(field: str, reward: dict[str, Any], reward_key: str | None) -> float:
@@ -172,7 +173,7 @@ class WritePath:
             self._remember(record.uid)
             if store is not None:  # before add(): a group it fills logs its outcome
                 header: dict[str, Any] = {"e": "w", "t": task.task_type, "i": instance_id}
-                header.update(u=record.uid, r=record.reward, at=wall)
+                header.update(u=record.uid, r=record.reward, at=wall, h=record.head)
                 store.append(encode(header, [record.raw]))
             task.add(instance_id, record, now)
             for observe in observers:
@@ -197,7 +198,7 @@ class WritePath:
         """Apply a ``w`` record (the group's outcome is the next record's: nothing finishes)."""
         header = event.header
         instance_id, wall = header["i"], header["at"]
-        record = Record(header["u"], header["r"], event.payload)
+        record = Record(header["u"], header["r"], event.payload, header.get("h", 0))
         self._remember(record.uid)
         task.add(instance_id, record, monotonic_of(wall), finish=False)
         self._written_seq += 1

@@ -7,6 +7,11 @@ A trajectory may carry the engine's token records (``turns``): what each policy 
 sampled, in token ids. Their checks that span fields (lengths that agree, a prompt that extends what the
 previous turn provides, a turn that points at an assistant message) run after the single pass, only on
 trajectories that have turns, and name the field as pydantic would.
+
+The write routes take the quick way first (``read_trajectory``, ``read_trajectories``): orjson parses the
+body and a check of the shapes (``is_trajectory``) accepts what the pydantic schema accepts, walking the
+messages but reading the token ids a list at a time, in C. Anything it is not sure of (a parse error, an
+integer beyond 64 bits, a field of the wrong type) goes through the pydantic schema, which says what is wrong.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, NotRequired, TypeVar
+from typing import Annotated, Any, Literal, NotRequired, TypeVar, get_args
 
+import orjson
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -35,6 +41,7 @@ from buffer import storable
 from buffer.core.task import TaskSettings
 from buffer.encoding import INT64_MAX, INT64_MIN
 from buffer.errors import InvalidInput
+from buffer.logprob_kinds import KINDS as LOGPROB_KINDS
 from buffer.logprob_kinds import LogprobsKind, LogprobsMode
 
 _T = TypeVar("_T")
@@ -162,15 +169,16 @@ def _turns_agree(trajectory: Trajectory) -> Trajectory:
 
 
 def turn_errors(
-    messages: Sequence[ChatMessage], turns: Sequence[Turn]
+    messages: Sequence[ChatMessage], turns: Sequence[Turn], *, ids_checked: bool = False
 ) -> list[tuple[tuple[str | int, ...], str, object]]:
-    """What is wrong across the fields of already typed turns: ``(loc, reason, value)`` for each."""
+    """What is wrong across the fields of already typed turns: ``(loc, reason, value)`` for each
+    (``ids_checked``: the token ids are known to be in range)."""
     errors: list[tuple[tuple[str | int, ...], str, object]] = []
     available = 0  # the previous turn's full prompt plus its output, in tokens
     last_index = -1
     for n, turn in enumerate(turns):
         output_ids = turn["output_ids"]
-        for name in ("prompt_ids", "output_ids"):
+        for name in () if ids_checked else ("prompt_ids", "output_ids"):
             ids = turn[name]
             at = _first_bad_id(ids)
             if at is not None:
@@ -255,6 +263,224 @@ TRAJECTORIES = TypeAdapter(list[CheckedTrajectory])
 TRAJECTORY_BATCH = TypeAdapter(TrajectoryBatch)
 
 
+# -- the quick way -----------------------------------------------------------------------------
+
+#: orjson reads an integer beyond 64 bits as a float: a float this large may have been one.
+_HUGE = float(2**63)
+#: The token lists of a turn, checked a list at a time (``_packs``); its other fields are walked.
+_TOKEN_LISTS = frozenset(("prompt_ids", "output_ids", "output_logprobs"))
+#: The bytes of 0 and 1 as C unsigned ints and of 0.0 and 1.0 as doubles: the values a boolean packs
+#: to (``array`` takes ``true`` as 1), looked for before a walk of the list.
+_BOOLEAN_IDS = (array("I", [0]).tobytes(), array("I", [1]).tobytes())
+_BOOLEAN_FLOATS = (array("d", [0.0]).tobytes(), array("d", [1.0]).tobytes())
+_FINISH_REASONS = frozenset(get_args(FinishReason))
+_LOGPROB_KINDS = frozenset(LOGPROB_KINDS)
+
+
+def read_trajectory(body: bytes) -> dict[str, Any]:
+    """One trajectory from a request body: parsed once, checked, as the client wrote it."""
+    item = _quick(body)
+    if item is not None and is_trajectory(item):
+        return item  # type: ignore[no-any-return]
+    trajectory = parse_json(TRAJECTORY, body)
+    refuse_non_finite(body, trajectory)
+    return trajectory  # type: ignore[return-value]
+
+
+def read_trajectories(body: bytes, batch: bool) -> list[dict[str, Any]]:
+    """The trajectories of a batch body: ``{"trajectories": [...]}`` (``batch``) or a list."""
+    parsed = _quick(body)
+    items = parsed.get("trajectories") if batch and isinstance(parsed, dict) else parsed
+    if (
+        isinstance(items, list)
+        and (not batch or len(parsed) == 1)
+        and all(is_trajectory(item) for item in items)
+    ):
+        return items
+    checked = parse_json(TRAJECTORY_BATCH, body)["trajectories"] if batch else parse_json(TRAJECTORIES, body)
+    refuse_non_finite(body, checked)
+    return checked  # type: ignore[return-value]
+
+
+def refuse_non_finite(body: bytes, parsed: Any) -> None:
+    """Refuse ``Infinity`` and ``NaN`` anywhere in what pydantic parsed (it takes them; the
+    store would keep them as null), naming the field. Looked for only when the bytes hold one:
+    a scan of the body costs far less than a walk of what it parsed to, and a scan for one
+    byte (``memchr``) less again than one for a word, so the words are looked for only after
+    their first letters. (orjson, the quick way, refuses them.)"""
+    if (b"I" in body and b"Infinity" in body) or (b"N" in body and b"NaN" in body):
+        path = storable.non_finite_at(parsed)
+        if path is not None:
+            raise InvalidInput.one(storable.field_name(path), "must be a finite number")
+
+
+def _quick(body: bytes) -> Any:
+    """The body parsed by orjson, or None where it is no JSON orjson reads (``NaN``, a lone
+    surrogate, nothing): the schema's parser then says what is wrong."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def is_trajectory(item: Any) -> bool:
+    """Whether ``item`` (orjson's parse) is a trajectory the schema (``CheckedTrajectory``) accepts.
+
+    True only where the schema would take it; False where it would refuse it, or might: so also where a
+    number is beyond 64 bits (orjson reads an integer that large as a float, pydantic keeps it to refuse)."""
+    if type(item) is not dict:
+        return False
+    if not all(_fits(value) for key, value in item.items() if key != "turns"):
+        return False
+    get = item.get
+    if not (_is_id(get("instance_id")) and _optional_name(item, "uid") and _optional_name(item, "task_type")):
+        return False
+    reward = get("reward")
+    if type(reward) is dict:
+        if not all(type(value) in (int, float) for value in reward.values()):
+            return False
+    elif type(reward) not in (int, float):
+        return False
+    if "extra_info" in item and type(item["extra_info"]) is not dict:
+        return False
+    tools = get("tools")
+    if tools is not None and not (type(tools) is list and all(_typed(tool, 1) for tool in tools)):
+        return False
+    messages = get("messages")
+    if not (type(messages) is list and messages and all(map(_is_message, messages))):
+        return False
+    turns = get("turns")
+    if turns is None:
+        return True
+    return (
+        type(turns) is list
+        and all(map(_is_turn, turns))
+        and not turn_errors(messages, turns, ids_checked=True)
+    )
+
+
+def _fits(value: Any) -> bool:
+    """No integer beyond 64 bits in ``value``, nor a float that may have been one."""
+    kind = type(value)
+    if kind is str:
+        return True
+    if kind is dict:
+        return all(map(_fits, value.values()))
+    if kind is list:
+        return all(map(_fits, value))
+    if kind is int:
+        return bool(INT64_MIN <= value <= INT64_MAX)
+    return kind is not float or bool(-_HUGE < value < _HUGE)
+
+
+def _is_id(value: Any) -> bool:
+    if type(value) is str:
+        return bool(value)
+    return type(value) is int and INT64_MIN <= value <= INT64_MAX
+
+
+def _optional_name(item: dict[str, Any], key: str) -> bool:
+    value = item.get(key)
+    return value is None or (type(value) is str and bool(value))
+
+
+def _typed(value: Any, min_length: int) -> bool:
+    """A dict with a string ``type`` of at least ``min_length`` characters (a tool, a content part)."""
+    return type(value) is dict and type(kind := value.get("type")) is str and len(kind) >= min_length
+
+
+def _is_message(message: Any) -> bool:
+    if type(message) is not dict:
+        return False
+    get = message.get
+    role, content, tool_calls = get("role"), get("content"), get("tool_calls")
+    if type(role) is not str or not role:
+        return False
+    if content is None:
+        if not (role == "assistant" and tool_calls):
+            return False
+    elif type(content) is list:
+        if not all(_typed(part, 0) for part in content):
+            return False
+    elif type(content) is not str:
+        return False
+    if tool_calls is not None and not (type(tool_calls) is list and all(type(c) is dict for c in tool_calls)):
+        return False
+    reasoning = get("reasoning_content")
+    if reasoning is not None and type(reasoning) is not str:
+        return False
+    return "generated" not in message or type(message["generated"]) is bool
+
+
+def _is_turn(turn: Any) -> bool:
+    if type(turn) is not dict or not all(_fits(v) for k, v in turn.items() if k not in _TOKEN_LISTS):
+        return False
+    get = turn.get
+    if not (_are_ids(get("prompt_ids")) and _are_ids(get("output_ids"))):
+        return False
+    logprobs = get("output_logprobs")
+    if logprobs is not None and not _packs(logprobs, "d", _BOOLEAN_FLOATS):
+        return False
+    if "prompt_offset" in turn and not _is_count(turn["prompt_offset"]):
+        return False
+    kind, version, sampling = get("logprobs"), get("weight_version"), get("sampling")
+    return (
+        get("finish_reason") in _FINISH_REASONS
+        and type(get("finish_reason")) is str
+        and _is_count(get("message_index"))
+        and (kind is None or (type(kind) is str and kind in _LOGPROB_KINDS))
+        and (version is None or type(version) is str or _is_id(version))
+        and (sampling is None or type(sampling) is dict)
+    )
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= INT64_MAX
+
+
+def _are_ids(values: Any) -> bool:
+    """Whether ``values`` is a list of token ids, each in [0, 2**31), none a boolean."""
+    packed = _packed(values, "I", _BOOLEAN_IDS) if _BOOLEAN_IDS[0] == bytes(4) else None  # 4-byte ints
+    return packed is not None and not packed[_HIGH_BYTE::4].translate(None, _BELOW_128)
+
+
+def _packs(values: Any, code: str, booleans: tuple[bytes, bytes]) -> bool:
+    return _packed(values, code, booleans) is not None
+
+
+def _packed(values: Any, code: str, booleans: tuple[bytes, bytes]) -> bytes | None:
+    """``values`` packed as ``code`` (``I``: integers in [0, 2**32), ``d``: numbers) if it is a list of
+    such, none a boolean: packed in C at once; walked only where a 0 or 1 (what a boolean packs to) is."""
+    if type(values) is not list:
+        return None
+    try:
+        packed = array(code, values).tobytes()
+    except (TypeError, OverflowError):
+        return None
+    if _holds(packed, booleans[0]) or _holds(packed, booleans[1]):
+        return packed if all(map(_is_int if code == "I" else _is_number, values)) else None
+    return packed
+
+
+def _holds(packed: bytes, value: bytes) -> bool:
+    """Whether one of the values ``packed`` holds is ``value`` (found where a value starts, not
+    across two)."""
+    at = packed.find(value)
+    while at >= 0:
+        if at % len(value) == 0:
+            return True
+        at = packed.find(value, at + 1)
+    return False
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) is int or type(value) is float
+
+
 def parse_json(adapter: TypeAdapter[_T], body: bytes) -> _T:
     """Parse and validate a request body; errors become ``InvalidInput`` naming each field."""
     if not body.strip():
@@ -307,6 +533,12 @@ class StartRolloutRequest(TaskGrouping):
 
     task_type: Annotated[StrictStr, Field(min_length=1)]
     num_process: Int64 | None = Field(None, ge=1, description="trajectories in flight")
+    rollout_batch_size: Int64 | None = Field(
+        None,
+        ge=1,
+        description="the groups the trainer reads a step (slime's --rollout-batch-size): with max_staleness, "
+        "what admission sizes generation by (absent: the trainer's largest read)",
+    )
     num_epoch: Int64 | None = Field(None, ge=1)
     max_tokens: Int64 | None = Field(None, ge=1)
     skip_instance_ids: list[InstanceId] | None = None

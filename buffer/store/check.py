@@ -208,9 +208,16 @@ def _rebuild(directory: Path, events: list[Event], exports: list[tuple[Any, ...]
 
 def run(folder: Path, *, repair: bool = False) -> int:
     """``rollout-buffer check DIR [--repair]``: exit status 0 when the folder is sound (or was
-    repaired), 1 when it is damaged or cannot be read, 2 when there is no such folder."""
+    repaired), 1 when it is damaged or cannot be read, 2 when there is no such folder or it
+    holds no buffer (empty, or another folder: nothing to check, nothing damaged)."""
     if not folder.is_dir():
         sys.stderr.write(f"rollout-buffer check: {folder}: no such folder\n")
+        return 2
+    if not (folder / DATABASE).exists():
+        sys.stderr.write(
+            f"rollout-buffer check: {folder}: no buffer here ({DATABASE} is absent): nothing to check; "
+            f"a service started with --data-dir {folder} makes one\n"
+        )
         return 2
     try:
         report = check(folder, repair=repair)

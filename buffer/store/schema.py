@@ -3,8 +3,10 @@
     DATA_DIR/
       LOCK                 flock-ed while a service uses the folder
       buffer.sqlite3       (with -wal and -shm beside it while open)
-        events(id, header, payload)      the changes since the snapshot, in order, ids dense
+        events(id, header, payload)      the changes after meta.snapshot_through, in order, ids dense
+                                         (those before it: garbage the cleaner deletes)
         snapshot(id, header, payload)    the whole state as of the events it replaced
+        snapshot_next, snapshot_old_N    a compaction's staging; replaced snapshots (garbage)
         delivered(id, read_id, delivered_at, task_type, instance_id, trajectory)   the export
         meta(key, value)                 the format, the last event id, what the snapshot covers
       buffer.sqlite3-commits  the last event id committed, checked at start-up (``commits``)

@@ -24,10 +24,13 @@ is retried until it succeeds; then the journal takes writes again, without a res
 
 Compaction writes the state into a staging table from its own connection, in short
 transactions, then hands the writer an ``_Install`` entry. The state is captured at a position
-of the log (under the buffer's lock) and the writer installs it (replace the snapshot, delete
-the events up to that position) in order, so in the same transaction as or a later one than
-every change before it: a compaction never makes durable a state whose changes are not.
-A failure in between voids the compaction, since the reads it took back are in that state.
+of the log (under the buffer's lock) and the writer installs it in order, so in the same
+transaction as or a later one than every change before it: a compaction never makes durable a
+state whose changes are not. A failure in between voids the compaction, since the reads it
+took back are in that state. The install is O(1) (two renames and ``meta.snapshot_through``):
+the replaced snapshot and the events it covers are deleted afterwards by the cleaner thread, a
+slice per short transaction, as the staging is written (``cleanup.SideWriter``): the writer
+waits for one slice at most.
 """
 
 from __future__ import annotations
@@ -51,13 +54,12 @@ import orjson
 
 from buffer.core.records import NOTHING, Event, ExportRow, Snapshotter, split
 from buffer.errors import StorageFailed
-from buffer.store import commits, migration, wal
+from buffer.store import cleanup, commits, migration, wal
 from buffer.store.base import Counters, Store
 from buffer.store.schema import (
     DATABASE,
     DELIVERED,
     FORMAT_VERSION,
-    LOG_COLUMNS,
     SCHEMA,
     JournalCorrupt,
     connect,
@@ -69,12 +71,9 @@ logger = logging.getLogger(__name__)
 
 #: How long the writer waits before it tries a failed commit again.
 RETRY_INTERVAL_S = 1.0
-_STAGING_ROWS = 2000
 #: Free pages a database keeps between compactions (the export's retention frees some each
 #: minute; they are reused by the next writes).
 _FREE_BYTES_KEPT = 64 * 2**20
-#: Free space given back after one commit, at most: the writer is held a moment, not a minute.
-_RECLAIM_BYTES_PER_COMMIT = 64 * 2**20
 #: Export rows read per query: the writer is never held back by a slow export client.
 _EXPORT_PAGE_ROWS = 2000
 
@@ -94,6 +93,7 @@ class _Install:
     position: int
     generation: int
     rows: int
+    logged: int  # bytes appended up to ``position``: what the snapshot replaces
 
 
 _Entry = bytes | _Read | _Install | None  # None: a read taken back
@@ -124,7 +124,9 @@ class Journal(Store):
         self._lock_file = lock_folder(directory / "LOCK")
         self._db: sqlite3.Connection | None = None
         self._count: commits.CommitCount | None = None
-        self._cv = threading.Condition(threading.Lock())
+        state_lock = threading.Lock()
+        self._cv = threading.Condition(state_lock)
+        self._work = threading.Condition(state_lock)  # the writer's alone: no waiter takes its notify
         self._buffer_lock: AbstractContextManager[Any] = threading.RLock()
         self._pending: list[_Entry] = []
         self._appended = 0  # the position of the last entry appended, ever
@@ -141,7 +143,13 @@ class Journal(Store):
         self._compacting: threading.Thread | None = None
         self._install_pending = False  # a compaction staged or queued, not yet installed
         self._no_compaction = False
-        self._keep_free: int | None = None  # free pages to give back down to, a slice a commit
+        self._write_lock = threading.Lock()  # one writing transaction of this process at a time
+        self._staging = threading.Lock()  # one compaction staged at a time
+        self._cleanup: int | None = None  # garbage to delete, then free bytes to give back down to
+        self._cleanup_asked = 0  # requests for a cleanup, ever: one made during a slice is not lost
+        self._cleaner: threading.Thread | None = None
+        self._appended_bytes = 0
+        self._captured = (0, 0)  # (position, bytes appended up to it) when a snapshot was taken
         self._next_retention_check = 0.0
         self.bytes_written = 0
         self.commits = 0
@@ -163,13 +171,17 @@ class Journal(Store):
             self._db.executescript(SCHEMA)
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (str(FORMAT_VERSION),))
             migration.reclaim_space(self._db, self.database)
+            cleanup.discard(self._db, "snapshot_next")  # staged by a compaction a crash stopped
+            if cleanup.has_garbage(self._db):
+                self._cleanup = 0
+            through = cleanup.snapshot_through(self._db)
             last = last_event(self._db)
         except sqlite3.DatabaseError as exc:
             raise JournalCorrupt(f"{self.database}: {exc}{self._repair_hint}") from exc
         self._appended = self._durable = last
         self._count = commits.CommitCount(commits.path_for(self.database), last)
         for table in ("snapshot", "events"):
-            for event_id, header, payload in self._rows(table):
+            for event_id, header, payload in self._rows(table, through if table == "events" else -1):
                 size = len(header) + len(payload)
                 if table == "snapshot":
                     self._snapshot_bytes += size
@@ -208,9 +220,9 @@ class Journal(Store):
     def _repair_hint(self) -> str:
         return f" (`rollout-buffer check {self.directory} --repair` salvages what can be read)"
 
-    def _rows(self, table: str) -> Iterator[tuple[int, str, bytes]]:
+    def _rows(self, table: str, last: int) -> Iterator[tuple[int, str, bytes]]:
+        """The rows of ``table`` after id ``last``."""
         assert self._db is not None
-        last = -1
         while True:  # in pages: a cursor over the whole table would hold a read open
             try:
                 rows = self._db.execute(
@@ -238,6 +250,8 @@ class Journal(Store):
             self._buffer_lock = lock
         self._writer = threading.Thread(target=self._write_forever, name="journal-writer", daemon=True)
         self._writer.start()
+        self._cleaner = threading.Thread(target=self._clean_forever, name="journal-cleanup", daemon=True)
+        self._cleaner.start()
 
     # -- appends (under the buffer's lock) ---------------------------------------------
 
@@ -245,7 +259,8 @@ class Journal(Store):
         with self._cv:
             self._pending.append(record)
             self._appended += 1
-            self._cv.notify()
+            self._appended_bytes += len(record)
+            self._work.notify()
 
     def read(self, record: bytes, rows: Callable[[], Iterable[ExportRow]], undo: Callable[[], None]) -> None:
         """Log a read with its export rows, committed together. ``rows`` makes the rows in the
@@ -253,11 +268,13 @@ class Journal(Store):
         with self._cv:
             self._pending.append(_Read(record, rows, undo))
             self._appended += 1
-            self._cv.notify()
+            self._appended_bytes += len(record)
+            self._work.notify()
 
     def position(self) -> int:
         """The position of the last change appended: a snapshot taken now covers up to it."""
         with self._cv:
+            self._captured = (self._appended, self._appended_bytes)
             return self._appended
 
     # -- waiting -----------------------------------------------------------------------
@@ -295,7 +312,7 @@ class Journal(Store):
         while True:
             with self._cv:
                 while not self._pending and not batch and not self._closing:
-                    self._cv.wait()
+                    self._work.wait()
                 first = self._durable + 1 if not batch else first
                 batch.extend(self._pending)
                 self._pending = []
@@ -309,7 +326,7 @@ class Journal(Store):
                 if closing:
                     return
                 with self._cv:
-                    self._cv.wait_for(lambda: self._closing, RETRY_INTERVAL_S)
+                    self._work.wait_for(lambda: self._closing, RETRY_INTERVAL_S)
                 continue
             batch = []
             self._release(target)
@@ -334,47 +351,40 @@ class Journal(Store):
                     installs.append(entry)
             size += len(record)
             events.append((position, *split(record)))
-        if db.in_transaction:
-            db.rollback()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            insert(db, "events", events)
-            if exports:
-                insert(db, DELIVERED, [(*row[:4], row[4].decode()) for row in exports])
-            installed = [self._install(db, install) for install in installs]
-            db.execute("INSERT OR REPLACE INTO meta VALUES ('last_event', ?)", (str(first + len(batch) - 1),))
-            if time.monotonic() >= self._next_retention_check:
-                db.execute("DELETE FROM delivered WHERE delivered_at < ?", (time.time() - self.retention_s,))
-            db.execute("COMMIT")
-        except BaseException:
+        retention = time.monotonic() >= self._next_retention_check
+        with self._write_lock:
             if db.in_transaction:
                 db.rollback()
-            raise
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                insert(db, "events", events)
+                if exports:
+                    insert(db, DELIVERED, [(*row[:4], row[4].decode()) for row in exports])
+                installed = [self._install(db, install) for install in installs]
+                last = str(first + len(batch) - 1)
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('last_event', ?)", (last,))
+                if retention:
+                    cutoff = time.time() - self.retention_s
+                    db.execute("DELETE FROM delivered WHERE delivered_at < ?", (cutoff,))
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.rollback()
+                raise
         self._record(first + len(batch) - 1)
-        if time.monotonic() >= self._next_retention_check:
+        if retention:  # what the export's retention freed, beyond a margin, is given back
             self._next_retention_check = time.monotonic() + 60.0
-            if self._keep_free is None:  # what the export's retention freed, beyond a margin
-                self._keep_free = _FREE_BYTES_KEPT
+            self._clean_up(_FREE_BYTES_KEPT)
         self.bytes_written += size
         if any(installed):
-            self._since_snapshot, self._snapshot_bytes = installed_sizes(db), installs[-1].rows
+            done = [install for install, ok in zip(installs, installed, strict=True) if ok][-1]
+            self._since_snapshot = max(0, self.bytes_written - done.logged)
+            self._snapshot_bytes = done.rows
             self.compactions += 1
-            self._keep_free = 0  # the old snapshot's pages and the replaced events'
+            self._clean_up(0)  # the old snapshot, the events it covered, their pages
         else:
             self._since_snapshot += size
         self.commits += 1
-        if self._keep_free is not None:
-            self._reclaim(db, self._keep_free)
-
-    def _reclaim(self, db: sqlite3.Connection, keep_bytes: int) -> None:
-        """Give back a slice of the free pages after a commit, until ``keep_bytes`` are left:
-        the writer is held for one slice at a time, never for the whole file."""
-        try:
-            more = reclaim(db, self.database, keep_bytes, _RECLAIM_BYTES_PER_COMMIT)
-        except sqlite3.Error as exc:  # the commit is kept: the space waits for the next try
-            more = False
-            logger.warning("%s: cannot give free pages back: %s", self.database, exc)
-        self._keep_free = keep_bytes if more else None
 
     def _record(self, last: int) -> None:
         """Note the commit beside the database (``commits``), before it is acknowledged. The
@@ -388,17 +398,18 @@ class Journal(Store):
             logger.warning("%s: cannot record the commit count (%s); not checked", self._count.path, exc)
 
     def _install(self, db: sqlite3.Connection, install: _Install) -> bool:
-        """Replace the snapshot with the staged one and delete the events it covers."""
+        """Make the staged snapshot the one a restore reads, with the events after its
+        position: O(1), the replaced snapshot and events are garbage for the cleaner."""
         with self._cv:
             self._install_pending = False
         if install.generation != self._generation:
             logger.warning("compaction dropped: a failed commit since took reads back from its state")
+            cleanup.discard(db, "snapshot_next")
             return False
         if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'snapshot_next'").fetchone() is None:
             return False
-        db.execute("DROP TABLE snapshot")
+        cleanup.discard(db, "snapshot")
         db.execute("ALTER TABLE snapshot_next RENAME TO snapshot")
-        db.execute("DELETE FROM events WHERE id <= ?", (install.position,))
         db.execute("INSERT OR REPLACE INTO meta VALUES ('snapshot_through', ?)", (str(install.position),))
         return True
 
@@ -476,6 +487,8 @@ class Journal(Store):
         with self._cv:  # against close(): a compaction is either never started or joined
             if self._no_compaction or self._since_snapshot < max(self.compact_bytes, self._snapshot_bytes):
                 return
+            if self._cleanup is not None:  # the last one's garbage first: the folder stays small
+                return
             if self._install_pending or (self._compacting is not None and self._compacting.is_alive()):
                 return
             self._compacting = threading.Thread(
@@ -491,49 +504,92 @@ class Journal(Store):
 
     def compact(self) -> None:
         """Write the state into the staging table and queue its installation; returns once
-        queued (``wait_durable_blocking`` then waits for it to be installed)."""
+        queued (``wait_durable_blocking`` then waits for it to be installed). One at a time."""
+        with self._staging:
+            self._compact()
+
+    def _compact(self) -> None:
         assert self._snapshotter is not None
         started = time.monotonic()
         with self._cv:
             generation = self._generation
-        with self._cv:
             self._install_pending = True
-        rows = size = 0
         try:
             position, records = self._snapshotter()
         except BaseException:
             with self._cv:
                 self._install_pending = False
             raise
-        db = connect(self.database, sync=self.sync)
+        with self._cv:
+            captured, logged = self._captured
+        side = cleanup.SideWriter(self.database, self._write_lock, self._let_writer_go)
         try:
-            db.execute("DROP TABLE IF EXISTS snapshot_next")
-            db.execute(f"CREATE TABLE snapshot_next {LOG_COLUMNS}")
-            chunk: list[tuple[int, str, memoryview]] = []
-            for record in records:
-                rows += 1
-                size += len(record)
-                chunk.append((rows, *split(record)))
-                if len(chunk) >= _STAGING_ROWS:  # short transactions: the writer is never held long
-                    _insert_staged(db, chunk)
-                    chunk = []
-            _insert_staged(db, chunk)
+            rows, size = side.stage(records)
         except BaseException:
             with self._cv:
                 self._install_pending = False
             raise
         finally:
-            db.close()
+            side.close()
         with self._cv:
-            self._pending.append(_Install(position, generation, size))
+            self._pending.append(_Install(position, generation, size, logged if captured == position else 0))
             self._appended += 1
-            self._cv.notify()
+            self._work.notify()
         logger.info(
             "journal compaction: %d records, %.1f MB staged in %.1f s",
             rows,
             size / 1e6,
             time.monotonic() - started,
         )
+
+    def _let_writer_go(self) -> None:
+        with self._cv:  # a commit queued meanwhile goes first
+            if self._pending:
+                durable = self._durable
+                self._cv.wait_for(lambda: self._durable != durable or self._closing, 0.1)
+
+    # -- cleanup after a compaction ----------------------------------------------------
+
+    def _clean_up(self, keep_bytes: int) -> None:
+        """Ask the cleaner to delete what compactions left and give free pages back down to
+        ``keep_bytes``."""
+        with self._cv:
+            self._cleanup = keep_bytes if self._cleanup is None else min(self._cleanup, keep_bytes)
+            self._cleanup_asked += 1
+            self._cv.notify_all()
+
+    @property
+    def cleanup_pending(self) -> bool:
+        """Whether a compaction's garbage (or free space) is still being given back."""
+        with self._cv:
+            return self._cleanup is not None
+
+    def _clean_forever(self) -> None:
+        side: cleanup.SideWriter | None = None
+        try:
+            while True:
+                with self._cv:
+                    self._cv.wait_for(lambda: self._closing or self._cleanup is not None)
+                    if self._closing or self._cleanup is None:
+                        return
+                    keep, asked = self._cleanup, self._cleanup_asked
+                try:
+                    side = side or cleanup.SideWriter(self.database, self._write_lock, self._let_writer_go)
+                    more = side.clean_slice(keep)
+                except Exception as exc:  # the garbage waits: a restore never reads it
+                    logger.warning("%s: cleanup after a compaction failed: %s", self.database, exc)
+                    with self._cv:
+                        self._cv.wait_for(lambda: self._closing, RETRY_INTERVAL_S)
+                    continue
+                if not more:
+                    with self._cv:
+                        if self._cleanup_asked == asked:
+                            self._cleanup = None
+                        self._cv.notify_all()
+                    self._maybe_compact()  # one the cleanup held back
+        finally:
+            if side is not None:
+                side.close()
 
     # -- the export --------------------------------------------------------------------
 
@@ -581,8 +637,11 @@ class Journal(Store):
         with self._cv:
             self._closing = True
             self._cv.notify_all()
+            self._work.notify_all()
         if self._writer is not None:
             self._writer.join()
+        if self._cleaner is not None:
+            self._cleaner.join()  # between two slices: the rest waits for the next start
         if self._db is not None:
             with contextlib.suppress(sqlite3.Error):
                 if self._db.in_transaction:
@@ -611,46 +670,6 @@ def last_event(db: sqlite3.Connection) -> int:
     the event of its own installation."""
     row = db.execute("SELECT max(id) FROM events").fetchone()
     return int(row[0] or 0)
-
-
-def reclaim(db: sqlite3.Connection, database: Path, keep_bytes: int, at_most_bytes: int) -> bool:
-    """Give up to ``at_most_bytes`` of the database's free pages back to the file system
-    (``auto_vacuum=INCREMENTAL``: the file is truncated), keeping ``keep_bytes`` of them;
-    True if more than that is left. A compaction frees the old snapshot's pages and the
-    replaced events', and without this the file would stay at its largest forever."""
-    page_size = int(db.execute("PRAGMA page_size").fetchone()[0])
-    free = int(db.execute("PRAGMA freelist_count").fetchone()[0])
-    extra = free - keep_bytes // page_size
-    if extra <= 0:
-        return False
-    pages = min(extra, max(1, at_most_bytes // page_size))
-    started = time.monotonic()
-    # executescript steps the pragma to its end: execute would step it once, one page
-    db.executescript(f"PRAGMA incremental_vacuum({pages})")
-    left = int(db.execute("PRAGMA freelist_count").fetchone()[0])
-    logger.debug(
-        "%s: gave back %.1f MB of free pages in %.2f s",
-        database,
-        (free - left) * page_size / 1e6,
-        time.monotonic() - started,
-    )
-    return left < free and left > keep_bytes // page_size  # a database without auto_vacuum gives none
-
-
-def installed_sizes(db: sqlite3.Connection) -> int:
-    """The bytes of the events left after a compaction."""
-    row = db.execute("SELECT sum(length(header) + length(payload)) FROM events").fetchone()
-    return int(row[0] or 0)
-
-
-def _insert_staged(db: sqlite3.Connection, rows: list[tuple[int, str, memoryview]]) -> None:
-    db.execute("BEGIN IMMEDIATE")
-    try:
-        insert(db, "snapshot_next", rows)
-        db.execute("COMMIT")
-    except BaseException:
-        db.rollback()
-        raise
 
 
 def _as_os_error(exc: Exception) -> OSError:

@@ -185,8 +185,8 @@ def test_a_long_poll_in_flight_is_answered_when_sigterm_comes(tmp_path: Path) ->
     with buffer_process(tmp_path / "data", tmp_path / "buffer.log") as (process, url):
 
         async def poll_then_stop() -> tuple[int, float]:
-            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-                poll = asyncio.create_task(client.post("/get_rollout_data", json={"wait_s": 25}))
+            async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+                poll = asyncio.create_task(client.post("/get_rollout_data", json={"wait_s": 250}))
                 await asyncio.sleep(1.0)  # the poll is waiting in the service
                 started = time.monotonic()
                 process.send_signal(signal.SIGTERM)
@@ -195,18 +195,22 @@ def test_a_long_poll_in_flight_is_answered_when_sigterm_comes(tmp_path: Path) ->
 
         status, waited_s = asyncio.run(poll_then_stop())
         assert status == 200
-        assert waited_s < 3  # not the 25 s it asked to wait
-        assert process.wait(timeout=20) == 0
+        assert waited_s < 60  # not the 250 s it asked to wait (with slack for a loaded machine)
+        assert process.wait(timeout=60) == 0
 
 
 def run_soak(*args: str) -> dict[str, Any]:
-    command = [sys.executable, "bench/soak.py", "--json", *args]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    """bench/soak.py's figures. Its amounts are counts (``--kills``, ``--min-acked``), not what
+    fits in its seconds, and its drain waits for the last read however long (up to 300 s): a
+    loaded machine makes the run longer, never smaller or a failure."""
+    command = [sys.executable, "bench/soak.py", "--json", "--drain-s", "300", *args]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=840)
     assert done.returncode == 0, done.stdout + done.stderr
     figures: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
     return figures
 
 
+@pytest.mark.timeout(900)
 def test_sigkill_in_the_middle_of_writes_and_reads_loses_nothing_and_repeats_nothing() -> None:
     """bench/soak.py kills the service with SIGKILL every 3 s, each kill timed to a read in
     flight, and restarts it on its folder; compaction runs every MiB. Writers retry until
@@ -216,6 +220,10 @@ def test_sigkill_in_the_middle_of_writes_and_reads_loses_nothing_and_repeats_not
         "14",
         "--kill-every",
         "3",
+        "--kills",
+        "3",
+        "--min-acked",
+        "101",
         "--kill-on-read",
         "--compact-bytes",
         "1048576",
@@ -228,8 +236,9 @@ def test_sigkill_in_the_middle_of_writes_and_reads_loses_nothing_and_repeats_not
     assert figures["received_twice"] == figures["exported_twice"] == 0
 
 
+@pytest.mark.timeout(900)
 def test_thirty_seconds_of_writers_and_readers_deliver_every_uid_exactly_once() -> None:
-    figures = run_soak("--seconds", "30")
+    figures = run_soak("--seconds", "30", "--min-acked", "501")
     assert figures["acked"] > 500
     assert figures["received"] == figures["exported"] == figures["acked"]
     assert figures["lost"] == figures["received_twice"] == figures["unexpected"] == 0
@@ -336,6 +345,7 @@ import asyncio
 from buffer.toolkit import open_sink
 
 TASK_TYPE = "steady"
+START_ROLLOUT_FIELDS = ('tag',)
 
 async def run_rollout(data):
     sink = await open_sink(None)

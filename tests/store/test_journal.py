@@ -17,7 +17,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from buffer.store import export, schema
 from buffer.store import sqlite as journal_module
 from buffer.store.schema import JournalCorrupt
 from buffer.store.sqlite import Journal
+from tests.support.calls import wait_for
 from tests.support.factories import FakeClock, group, trajectory
 from tests.support.paths import REPO
 from tests.support.stores import Opened, fill, state
@@ -70,9 +70,10 @@ def test_a_snapshot_replaces_the_events_it_covers(open_service: Any, clock: Fake
     fill(first.buffer, clock)
     first.journal.compact()
     first.buffer.write(trajectory("after", 1.0, task_type="math"))  # after the snapshot
-    first.journal.wait_durable_blocking(5)
+    first.journal.wait_durable_blocking(60)
     before = state(first.buffer)
     assert first.journal.compactions == 1
+    wait_for(lambda: not first.journal.cleanup_pending, 60, "the cleanup after the compaction")
     assert [h["e"] for h in headers(first.journal.database, "events")] == ["nop", "w"]  # the rest replaced
     assert headers(first.journal.database, "snapshot")
     assert state(open_service().buffer) == before
@@ -106,9 +107,9 @@ def test_a_torn_last_commit_is_dropped_and_the_rest_restored(
 ) -> None:
     first = open_service()
     first.buffer.write_many(group("q1", [0, 1, 0, 1]))
-    first.journal.wait_durable_blocking(5)
+    first.journal.wait_durable_blocking(60)
     first.buffer.write(trajectory("q2", 1.0))
-    first.journal.wait_durable_blocking(5)
+    first.journal.wait_durable_blocking(60)
     image = crash_image(first.journal, tmp_path / "crashed")
     wal = image / "buffer.sqlite3-wal"
     os.truncate(wal, wal.stat().st_size - 10)  # the last commit, half on disk
@@ -116,7 +117,7 @@ def test_a_torn_last_commit_is_dropped_and_the_rest_restored(
         assert second.buffer.stats()["pending_items"] == 0
         assert [g.instance_id for g in second.buffer.read().groups] == ["q1"]
         second.buffer.write(trajectory("q2", 1.0))  # and the journal goes on after it
-        second.journal.wait_durable_blocking(5)
+        second.journal.wait_durable_blocking(60)
     with opened(image, clock) as third:
         assert third.buffer.stats()["pending_items"] == 1
 
@@ -206,13 +207,6 @@ class FailingCommits:
         monkeypatch.setattr(Journal, "_commit", failing_commit)
 
 
-def wait_until(predicate: Any, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def exported(service: Service) -> list[tuple[int, str]]:
     lines = b"".join(export.read(service.journal)).splitlines()
     return [(row["read_id"], row["instance_id"]) for row in map(orjson.loads, lines)]
@@ -224,12 +218,12 @@ def test_a_full_disk_takes_reads_back_refuses_changes_and_recovers_without_a_res
     service = open_service()
     service.buffer.write_many(group("q1", [0, 1, 0, 1]))
     service.buffer.write_many(group("q2", [0, 1, 0, 1]))
-    service.journal.wait_durable_blocking(5)
+    service.journal.wait_durable_blocking(60)
     before = state(service.buffer)
     disk = FailingCommits(monkeypatch, sqlite3.OperationalError("database or disk is full"))
     assert [g.instance_id for g in service.buffer.read().groups] == ["q1", "q2"]
     with pytest.raises(StorageFailed, match="No space left on device"):
-        service.journal.wait_durable_blocking(5)  # the reader gets a 503...
+        service.journal.wait_durable_blocking(60)  # the reader gets a 503...
     assert [g.instance_id for g in service.buffer.peek()] == ["q1", "q2"]  # ...and the groups are back
     assert state(service.buffer) == before  # as if the read had never been
     assert service.buffer.stats()["tasks"]["default"]["delivered_groups"] == 0
@@ -239,10 +233,10 @@ def test_a_full_disk_takes_reads_back_refuses_changes_and_recovers_without_a_res
         service.buffer.read()
     assert service.buffer.stats()["journal"]["failed"]
     disk.failing.clear()  # space freed: the writer's next try succeeds
-    wait_until(lambda: service.journal.failure is None)
+    wait_for(lambda: service.journal.failure is None, what="the writer to recover")
     service.buffer.write_many(group("q3", [0, 1, 0, 1]))
     assert [g.instance_id for g in service.buffer.read().groups] == ["q1", "q2", "q3"]
-    service.journal.wait_durable_blocking(5)
+    service.journal.wait_durable_blocking(60)
     assert exported(service) == [(1, "q1")] * 4 + [(1, "q2")] * 4 + [(1, "q3")] * 4
     restarted = open_service()
     assert restarted.buffer.read().groups == []  # delivered once, never again
@@ -256,14 +250,15 @@ def test_the_writer_survives_any_exception_and_fails_the_waiters_loudly(
     bug = FailingCommits(monkeypatch, OverflowError("timestamp too large"))
     service.buffer.write(trajectory("q1", 1.0))
     with pytest.raises(StorageFailed, match="OverflowError: timestamp too large"):
-        service.journal.wait_durable_blocking(5)  # never a hang
+        service.journal.wait_durable_blocking(60)  # never a hang
     bug.failing.clear()
-    wait_until(lambda: service.journal.failure is None)
+    wait_for(lambda: service.journal.failure is None, what="the writer to recover")
     service.buffer.write(trajectory("q1", 0.0))
-    service.journal.wait_durable_blocking(5)
-    started = time.monotonic()
-    service.close()
-    assert time.monotonic() - started < 5  # the writer stops when asked
+    service.journal.wait_durable_blocking(60)
+    closing = threading.Thread(target=service.close)
+    closing.start()
+    closing.join(60)  # the writer stops when asked: at once, or within a busy machine's minute
+    assert not closing.is_alive(), "close() hangs"
     assert open_service().buffer.stats()["pending_items"] == 2  # the first write was kept on the retry
 
 
@@ -273,26 +268,26 @@ def test_compaction_never_makes_durable_a_state_ahead_of_a_queued_read(
     service = open_service()
     service.buffer.write_many(group("q1", [0, 1, 0, 1]))
     service.buffer.write_many(group("q2", [0, 1, 0, 1]))
-    service.journal.wait_durable_blocking(5)
+    service.journal.wait_durable_blocking(60)
     held, holding = threading.Event(), threading.Event()
     commit = Journal._commit
 
     def held_commit(journal: Journal, batch: list[Any], first: int) -> None:
         if journal is service.journal:
             holding.set()
-            held.wait(10)
+            held.wait(60)
         commit(journal, batch, first)
 
     monkeypatch.setattr(Journal, "_commit", held_commit)
     read = service.buffer.read()  # queued behind the held writer
     assert len(read.groups) == 2
-    holding.wait(5)
+    assert holding.wait(60)
     service.journal.compact()  # the state without q1 and q2, staged and queued
     crashed = crash_image(service.journal, tmp_path / "crashed")  # a SIGKILL now
     with opened(crashed, clock) as after_crash:  # the read never answered: its groups are there
         assert [g.instance_id for g in after_crash.buffer.read().groups] == ["q1", "q2"]
     held.set()
-    service.journal.wait_durable_blocking(5)
+    service.journal.wait_durable_blocking(60)
     assert service.journal.compactions == 1
     restarted = open_service()  # the read answered: delivered, exported, never again
     assert restarted.buffer.read().groups == []
@@ -314,7 +309,7 @@ buffer.restore(journal.recover())
 buffer.attach(journal)
 for i in range(3):
     buffer.write_many(group(f"q{i}", [0.0, 1.0]))
-journal.wait_durable_blocking(5)
+journal.wait_durable_blocking(60)
 insert = sqlite.insert
 
 def killed_in_the_export(db, into, rows):  # SIGKILL after the read's record, before its export
@@ -324,7 +319,7 @@ def killed_in_the_export(db, into, rows):  # SIGKILL after the read's record, be
 
 sqlite.insert = killed_in_the_export
 buffer.read()
-journal.wait_durable_blocking(5)
+journal.wait_durable_blocking(60)
 """
 
 
@@ -345,7 +340,7 @@ def test_a_folder_of_the_former_journal_is_migrated_once(
 ) -> None:
     first = open_service()
     fill(first.buffer, clock)
-    first.journal.wait_durable_blocking(5)
+    first.journal.wait_durable_blocking(60)
     before = state(first.buffer)
     lines = b"".join(export.read(first.journal))
     first.close()
@@ -407,3 +402,16 @@ def test_rows_inserted_in_multi_row_statements_land_all_in_order(tmp_path: Path,
     stored = db.execute("SELECT id, header, payload FROM t ORDER BY id").fetchall()
     assert stored == [(i, header, bytes(payload)) for i, header, payload in rows]
     db.close()
+
+
+def test_a_read_after_a_restore_reports_what_it_returns(open_service: Any, clock: FakeClock) -> None:
+    """Groups restored ready (from a snapshot or their events) carry no rewards yet: the read's
+    ``served`` statistics come from their items, padded copies left out."""
+    first = open_service()
+    for item in group("q1", [1.0, 0.0, 1.0, 1.0], task_type="math"):
+        first.buffer.write(item)
+    first.journal.compact()
+    first.journal.wait_durable_blocking(60)
+    served = open_service().buffer.read(task_type="math").meta_info["served"]
+    assert served["total_samples"] == 4
+    assert served["avg_reward"] == 0.75

@@ -22,6 +22,7 @@ from buffer.store import check as datacheck
 from buffer.store import commits, wal
 from buffer.store.schema import JournalCorrupt
 from buffer.store.sqlite import Journal
+from tests.support.calls import wait_for
 from tests.support.factories import FakeClock, group, trajectory
 from tests.support.stores import Opened
 
@@ -185,6 +186,7 @@ def test_a_compaction_gives_the_freed_space_back(clock: FakeClock, tmp_path: Pat
             clock.now += 120.0
             store.compact()
             store.wait_durable_blocking(30)
+            wait_for(lambda: not store.cleanup_pending, 60, "the cleanup after the compaction")
         assert store.compactions == 3
     size = (data / "buffer.sqlite3").stat().st_size
     held = held_bytes(data / "buffer.sqlite3")

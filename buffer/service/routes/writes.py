@@ -1,8 +1,8 @@
 """The hot path: ``/buffer/write`` and ``/buffer/write_batch``.
 
 These are plain Starlette endpoints placed first in the route table: FastAPI's per-request
-dependency solving and body handling cost more than the write itself. The body is parsed
-and validated in one pass (``buffer.service.models.parse_json``); ``OPENAPI_PATHS`` documents them.
+dependency solving and body handling cost more than the write itself. The body is parsed once
+and checked (``buffer.service.models.read_trajectory``); ``OPENAPI_PATHS`` documents them.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from buffer import storable
 from buffer.errors import InvalidInput
-from buffer.service.models import TRAJECTORIES, TRAJECTORY, TRAJECTORY_BATCH, parse_json
+from buffer.service.models import read_trajectories, read_trajectory
 from buffer.service.responses import envelope
 from buffer.service.services import Services
 
@@ -24,8 +23,7 @@ async def write(request: Request) -> Response:
     """Buffer one trajectory. A retried write (same ``uid``) is accepted and counted once."""
     svc: Services = request.app.state.services
     body = await request.body()
-    trajectory = parse_json(TRAJECTORY, body)
-    _check_finite(body, trajectory)
+    trajectory = read_trajectory(body)
     result = svc.buffer.write(trajectory)
     await svc.buffer.wait_durable()
     message = (
@@ -42,13 +40,9 @@ async def write_batch(request: Request) -> Response:
     """Buffer many trajectories at once, all or none: one invalid item refuses the batch."""
     svc: Services = request.app.state.services
     body = await request.body()
-    if body.lstrip()[:1] == b"{":
-        batch = parse_json(TRAJECTORY_BATCH, body)
-        _check_finite(body, batch)
-        items: list[Any] = batch["trajectories"]
-    elif body.lstrip()[:1] == b"[":
-        items = parse_json(TRAJECTORIES, body)
-        _check_finite(body, items)
+    first = body.lstrip()[:1]
+    if first in (b"{", b"["):
+        items = read_trajectories(body, batch=first == b"{")
     else:
         raise InvalidInput.one("body", 'must be a list of trajectories or {"trajectories": [...]}')
     results = svc.buffer.write_many(items)
@@ -60,18 +54,6 @@ async def write_batch(request: Request) -> Response:
         f"Wrote {written} trajectories ({duplicates} duplicates)",
         {"uids": [result.uid for result in results], "written": written, "duplicates": duplicates},
     )
-
-
-def _check_finite(body: bytes, parsed: Any) -> None:
-    """Refuse ``Infinity`` and ``NaN`` anywhere in a trajectory (the parser takes them; the
-    store would keep them as null), naming the field. Looked for only when the bytes hold one:
-    a scan of the body costs far less than a walk of what it parsed to, and a scan for one
-    byte (``memchr``) less again than one for a word, so the words are looked for only after
-    their first letters."""
-    if (b"I" in body and b"Infinity" in body) or (b"N" in body and b"NaN" in body):
-        path = storable.non_finite_at(parsed)
-        if path is not None:
-            raise InvalidInput.one(storable.field_name(path), "must be a finite number")
 
 
 ROUTES = [

@@ -1,0 +1,353 @@
+"""The write path's costs: service CPU per recorded token, collector pauses, a write against a bare endpoint.
+
+Modes (``--mode``, default all three):
+
+- ``tokens``: a fresh server (``--group-size``, default 8) per size in ``--tokens`` (default 2000 and
+  8000 recorded token ids per trajectory: prompt ids and output ids, each output id with its logprob, as
+  ``token_records.py`` makes them, scaled). One client writes whole groups through ``POST /buffer/write``
+  (so every group finishes and goes through the default hooks), and every ``--read-every`` groups reads
+  all that is ready through ``/get_rollout_data``. Reports the server's CPU seconds over the recorded
+  tokens written: the service's cost per token, writes, group completion and reads together.
+- ``gc``: in this process, a ``RolloutBuffer`` set up as ``rollout-buffer serve`` sets the collector up
+  (thresholds 50,000/20/20, ``gc.freeze()`` at start, and again once its task exists where the
+  service's sweeper does that, ``buffer.service.app._freeze_new_tasks``), filled with ``--pending``
+  (default 100k, 300k, 1M) small trajectories, one per instance: pending groups. Every collection's
+  pause is timed through ``gc.callbacks``; reports the longest and a full collection
+  (``gc.collect()``) at the end: the longest pause the event loop can see with that much buffered.
+- ``stack``: in this process, the service's ASGI app (lifespan started, no HTTP server) answers
+  ``--requests`` single writes of a ~2 KB trajectory, against a bare Starlette app whose one route returns a
+  constant: microseconds per request, the best of ``--repeats``. The difference is what the framework,
+  the middlewares, validation and the write itself cost on top of what any endpoint costs.
+
+Run (from the repository root, with the dev venv):
+
+    .venv/bin/python bench/hot_path.py
+    .venv/bin/python bench/hot_path.py --mode tokens --tokens 2000,8000 --groups 200
+    .venv/bin/python bench/hot_path.py --mode gc --pending 1000000
+
+Another checkout's figures: copy this file into its ``bench/`` and run it there (the script's folder comes
+first on ``sys.path``; ``common.Server`` starts that checkout's ``buffer.py``):
+
+    git worktree add /tmp/before-hot HEAD && cp bench/hot_path.py /tmp/before-hot/bench/
+    cd /tmp/before-hot && /work/main/.venv/bin/python bench/hot_path.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import random
+import time
+from typing import Any
+
+import common
+import orjson
+
+# -- service CPU per recorded token ---------------------------------------------------------------
+
+
+def token_trajectory(instance_id: str, uid: str, tokens: int, reward: float, seed: int) -> dict[str, Any]:
+    """A 3-turn trajectory whose turns hold ``tokens`` ids in all: 30% in the first prompt, 5% in each of
+    the two observations, 20% sampled per turn (each with its logprob), over ~2 KB of messages."""
+    rng = random.Random(seed)
+    base = common.make_trajectory(instance_id, uid, reward, common.DEFAULT_TRAJECTORY_BYTES, seed=seed)
+    system, user, reply = (message["content"] for message in base["messages"])
+    third = len(reply) // 3
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": user},
+    ]
+    turns: list[dict[str, Any]] = []
+    held = 0
+    output = tokens // 5
+    for n in range(3):
+        messages.append(
+            {"role": "assistant", "content": reply[n * third : (n + 1) * third], "generated": True}
+        )
+        if n < 2:
+            messages.append({"role": "tool", "content": f"result {seed}-{n}"})
+        prompt = tokens * 3 // 10 if n == 0 else tokens // 20
+        turns.append(
+            {
+                "prompt_ids": [rng.randrange(151_000) for _ in range(prompt)],
+                "prompt_offset": held,
+                "output_ids": [rng.randrange(151_000) for _ in range(output)],
+                "output_logprobs": [-rng.expovariate(2.0) for _ in range(output)],
+                "finish_reason": "tool_calls" if n < 2 else "stop",
+                "message_index": 2 + 2 * n,
+                "weight_version": "3",
+            }
+        )
+        held += prompt + output
+    return {**base, "messages": messages, "turns": turns}
+
+
+def recorded(trajectory: dict[str, Any]) -> int:
+    return sum(len(turn["prompt_ids"]) + len(turn["output_ids"]) for turn in trajectory["turns"])
+
+
+def tokens_run(args: argparse.Namespace, tokens: int) -> dict[str, Any]:
+    size = args.group_size
+    # A few templates, their ids replaced per write: the client's own encoding stays out of the timing.
+    templates = [token_trajectory("@@I@@", "@@U@@", tokens, 0.0, seed) for seed in range(size)]
+    per_trajectory = recorded(templates[0])
+    parts = []
+    for n, template in enumerate(templates):
+        template["reward"] = n / size  # distinct rewards: every group is valid, normalised and served
+        head, middle, tail = (
+            orjson.dumps(template).replace(b'"@@I@@"', b"@@").replace(b'"@@U@@"', b"@@").split(b"@@")
+        )
+        parts.append((head, middle, tail))
+    with (
+        common.Server(size, common.server_args(args.server_args)) as server,
+        common.RawClient(server.port) as client,
+    ):
+        read = orjson.dumps({"batch_size": -1})
+        written = served = 0
+
+        def write_groups(count: int, prefix: str) -> None:
+            nonlocal written, served
+            for g in range(count):
+                instance = b'"%s-%d"' % (prefix.encode(), g)
+                for n, (head, middle, tail) in enumerate(parts):
+                    uid = b'"%s-%d-%d"' % (prefix.encode(), g, n)
+                    status, _, _, _ = client.request(
+                        "POST", "/buffer/write", head + instance + middle + uid + tail
+                    )
+                    assert status == 200, status
+                    written += 1
+                if (g + 1) % args.read_every == 0 or g == count - 1:
+                    status, _, _, body = client.request("POST", "/get_rollout_data", read)
+                    assert status == 200, body[:200]
+                    served += len(orjson.loads(body)["data"]["data"])
+
+        write_groups(max(1, args.groups // 10), "warm")
+        written = served = 0
+        cpu_before = common.cpu_seconds(server.pid)
+        start = time.monotonic()
+        write_groups(args.groups, "run")
+        elapsed = time.monotonic() - start
+        cpu = common.cpu_seconds(server.pid) - cpu_before
+    return {
+        "tokens": per_trajectory,
+        "json_bytes": len(parts[0][0]) + len(parts[0][1]) + len(parts[0][2]),
+        "trajectories": written,
+        "served": served,
+        "server_cpu_s": cpu,
+        "cpu_ms_per_trajectory": cpu / written * 1e3,
+        "us_per_token": cpu / (written * per_trajectory) * 1e6,
+        "writes_per_s": written / elapsed,
+    }
+
+
+# -- collector pauses ---------------------------------------------------------------------------------
+
+
+def gc_run(pending: int, batch: int) -> dict[str, Any]:
+    from buffer.core.rollout_buffer import RolloutBuffer
+    from buffer.core.task import TaskSettings
+    from buffer.service import app
+
+    pauses: list[float] = []
+    started = [0.0]
+
+    def timing(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - started[0])
+
+    gc.collect()
+    gc.set_threshold(50_000, 20, 20)  # as ``rollout-buffer serve`` sets it
+    gc.freeze()
+    buffer = RolloutBuffer(TaskSettings(group_size=8))
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    buffer.write_many([{"instance_id": "first", "messages": messages, "reward": 0.5}])  # the task made
+    if hasattr(app, "_freeze_new_tasks"):  # as the service's sweeper does once a task is new
+        app._freeze_new_tasks(buffer, -1)
+    gc.callbacks.append(timing)
+    try:
+        start = time.perf_counter()
+        for first in range(0, pending, batch):
+            buffer.write_many(
+                [
+                    {"instance_id": f"g{n}", "uid": f"u{n}", "messages": messages, "reward": 0.5}
+                    for n in range(first, min(pending, first + batch))
+                ]
+            )
+        fill_s = time.perf_counter() - start
+        longest_fill = max(pauses, default=0.0)
+        collections = len(pauses)
+        start = time.perf_counter()
+        gc.collect()
+        full = time.perf_counter() - start
+    finally:
+        gc.callbacks.remove(timing)
+        del buffer
+        gc.unfreeze()
+        gc.collect()
+    return {
+        "pending": pending,
+        "fill_s": fill_s,
+        "collections": collections,
+        "longest_pause_ms": longest_fill * 1e3,
+        "full_collection_ms": full * 1e3,
+    }
+
+
+# -- a write against a bare endpoint --------------------------------------------------------------
+
+
+async def _asgi_times(app: Any, path: str, bodies: list[bytes], repeats: int) -> float:
+    """The best mean microseconds per request over ``repeats`` passes of ``bodies``."""
+    best = float("inf")
+    done: list[int] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            done.append(message["status"])
+
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for body in bodies:
+            sent = False
+
+            async def receive(body: bytes = body) -> dict[str, Any]:
+                nonlocal sent
+                if sent:
+                    await asyncio.sleep(3600)  # a disconnect only once the response is out
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            scope = {
+                "type": "http",
+                "asgi": {"version": "3.0"},
+                "http_version": "1.1",
+                "method": "POST",
+                "scheme": "http",
+                "path": path,
+                "raw_path": path.encode(),
+                "query_string": b"",
+                "root_path": "",
+                "headers": [
+                    (b"host", b"127.0.0.1:8000"),
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+                "client": ("127.0.0.1", 40000),
+                "server": ("127.0.0.1", 8000),
+                "state": {},
+            }
+            await app(scope, receive, send)
+        best = min(best, (time.perf_counter() - start) / len(bodies))
+    assert set(done) == {200}, set(done)
+    return best * 1e6
+
+
+async def _stack(args: argparse.Namespace) -> dict[str, float]:
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from buffer.service.app import create_app
+    from buffer.service.settings import Settings
+
+    async def bare(request: Any) -> Response:
+        await request.body()
+        return Response(b'{"success":true}', media_type="application/json")
+
+    bare_app = Starlette(routes=[Route("/buffer/write", bare, methods=["POST"])])
+    app = create_app(Settings())
+    messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    answers: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    await messages.put({"type": "lifespan.startup"})
+    lifespan = asyncio.create_task(
+        app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, messages.get, answers.put)
+    )
+    assert (await answers.get())["type"] == "lifespan.startup.complete"
+    try:
+        count = args.requests
+        bodies = [
+            orjson.dumps(
+                common.make_trajectory(f"s{n % (count // 8 or 1)}-{r}", f"s{n}-{r}", n % 8 / 8, seed=n)
+            )
+            for r in range(args.repeats)
+            for n in range(count)
+        ]
+        # Each pass writes fresh uids: a pass of its own bodies, so none is a duplicate.
+        write = float("inf")
+        for r in range(args.repeats):
+            write = min(
+                write, await _asgi_times(app, "/buffer/write", bodies[r * count : (r + 1) * count], 1)
+            )
+        bare_us = await _asgi_times(bare_app, "/buffer/write", bodies[:count], args.repeats)
+    finally:
+        await messages.put({"type": "lifespan.shutdown"})
+        await lifespan
+    return {"write_us": write, "bare_us": bare_us, "ratio": write / bare_us}
+
+
+# -- the script ----------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    modes = ["tokens", "gc", "stack"] if args.mode == "all" else [args.mode]
+    result: dict[str, Any] = {}
+    if "tokens" in modes:
+        rows = [tokens_run(args, int(tokens)) for tokens in args.tokens.split(",")]
+        columns = [
+            "tokens",
+            "json_bytes",
+            "trajectories",
+            "served",
+            "server_cpu_s",
+            "cpu_ms_per_trajectory",
+            "us_per_token",
+        ]
+        print(common.table(columns, ([row[c] for c in columns] for row in rows)))
+        result["tokens"] = rows
+    if "gc" in modes:
+        rows = [gc_run(int(pending), args.batch_size) for pending in args.pending.split(",")]
+        columns = ["pending", "fill_s", "collections", "longest_pause_ms", "full_collection_ms"]
+        print(common.table(columns, ([row[c] for c in columns] for row in rows)))
+        result["gc"] = rows
+    if "stack" in modes:
+        times = asyncio.run(_stack(args))
+        print(
+            f"stack: a write {times['write_us']:,.0f} us, a bare endpoint {times['bare_us']:,.0f} us "
+            f"({times['ratio']:.1f}x), in-process ASGI calls, best of {args.repeats}"
+        )
+        result["stack"] = times
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mode", choices=["all", "tokens", "gc", "stack"], default="all")
+    parser.add_argument(
+        "--tokens", default="2000,8000", help="recorded token ids per trajectory, comma-separated"
+    )
+    parser.add_argument("--groups", type=int, default=150, help="groups written per token size (default 150)")
+    parser.add_argument("--read-every", type=int, default=10, help="groups between reads (default 10)")
+    parser.add_argument(
+        "--pending", default="100000,300000,1000000", help="pending trajectories for --mode gc"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=1000, help="trajectories per write_many for --mode gc"
+    )
+    parser.add_argument("--requests", type=int, default=2000, help="writes per pass for --mode stack")
+    parser.add_argument("--repeats", type=int, default=5, help="passes for --mode stack (the best is kept)")
+    common.add_server_arguments(parser)
+    return parser
+
+
+def main() -> None:
+    common.raise_on_sigterm()
+    run(build_parser().parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""What a compaction leaves behind, given back a slice at a time, off the commit path.
+
+A compaction's install (``sqlite``) is O(1): it renames the staged snapshot to ``snapshot``
+(the replaced one becomes ``snapshot_old_N``) and moves ``meta.snapshot_through``; the events
+it covers stay in ``events`` for now. A restore reads only ``snapshot`` and the events after
+``snapshot_through``, so what is left over is garbage, never state. The journal's cleaner
+thread deletes it here, ``ROWS`` rows per transaction, then gives the freed pages back to the
+file system (``incremental_vacuum``, ``VACUUM_BYTES`` at a time), each slice from its own
+connection under the journal's write lock, letting a queued commit go first after each. A
+crash in between leaves garbage that the next start cleans up.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from buffer.core.records import split
+from buffer.store.schema import LOG_COLUMNS, connect, insert
+
+logger = logging.getLogger(__name__)
+
+GARBAGE = "snapshot_old_"
+#: Rows deleted per transaction: a slice holds the writer back a few milliseconds at most.
+ROWS = 1000
+#: Free space given back per transaction, at most.
+VACUUM_BYTES = 4 * 2**20
+#: Staged rows per transaction, and their bytes at most: the writer waits for one at most.
+_STAGING_ROWS = 2000
+_STAGING_BYTES = 2 * 2**20
+#: Rows a staging or cleanup connection changes between its checkpoints (outside the lock).
+_CHECKPOINT_CHANGES = 4000
+
+
+class SideWriter:
+    """A connection that writes beside the journal's writer (the staging of a compaction, the
+    cleaner): one short transaction at a time under the journal's write lock, so the writer
+    waits for one at most. ``synchronous=NORMAL``: nothing waits on these commits, and the
+    writer's next commit syncs the WAL they are in. Checkpoints are its own, outside the lock."""
+
+    def __init__(self, database: Path, lock: threading.Lock, let_writer_go: Callable[[], None]) -> None:
+        self.db = connect(database, sync=False)
+        self.db.execute("PRAGMA wal_autocheckpoint = 0")
+        self._lock = lock
+        self._let_writer_go = let_writer_go  # returns once a commit queued meanwhile is made
+        self._checkpointed = 0
+
+    def transaction(self, work: Callable[[sqlite3.Connection], Any]) -> Any:
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                result = work(self.db)
+                self.db.execute("COMMIT")
+            except BaseException:
+                if self.db.in_transaction:
+                    self.db.rollback()
+                raise
+        self._after()
+        return result
+
+    def stage(self, records: Iterable[bytes]) -> tuple[int, int]:
+        """Write ``records`` into a new staging table (``snapshot_next``), a few MB per
+        transaction; the records and bytes written."""
+        self.transaction(stage_afresh)
+        rows = size = 0
+        chunk: list[tuple[int, str, memoryview]] = []
+        chunk_bytes = 0
+        for record in records:
+            rows += 1
+            size += len(record)
+            chunk_bytes += len(record)
+            chunk.append((rows, *split(record)))
+            if len(chunk) >= _STAGING_ROWS or chunk_bytes >= _STAGING_BYTES:
+                self.transaction(functools.partial(insert, into="snapshot_next", rows=chunk))
+                chunk, chunk_bytes = [], 0
+        self.transaction(functools.partial(insert, into="snapshot_next", rows=chunk))
+        return rows, size
+
+    def clean_slice(self, keep_bytes: int) -> bool:
+        """One slice of cleanup: a batch of garbage rows deleted, else free pages given back
+        down to ``keep_bytes``; False once there is nothing left to do."""
+        if self.transaction(step):
+            return True
+        with self._lock:
+            more = reclaim(self.db, keep_bytes, VACUUM_BYTES)
+        self._after(checkpoint=True)  # the file is truncated when the checkpoint copies the slice
+        return more
+
+    def _after(self, *, checkpoint: bool = False) -> None:
+        if checkpoint or self.db.total_changes - self._checkpointed >= _CHECKPOINT_CHANGES:
+            self.db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()  # the writer commits on
+            self._checkpointed = self.db.total_changes
+        self._let_writer_go()
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def stage_afresh(db: sqlite3.Connection) -> None:
+    """An empty staging table; one a void compaction left is garbage."""
+    discard(db, "snapshot_next")
+    db.execute(f"CREATE TABLE snapshot_next {LOG_COLUMNS}")
+
+
+def garbage_tables(db: sqlite3.Connection) -> list[str]:
+    """The replaced snapshots (and void stagings) not yet deleted, oldest first."""
+    rows = db.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE ? ESCAPE '\\'",
+        (GARBAGE.replace("_", "\\_") + "%",),
+    ).fetchall()
+    return sorted((row[0] for row in rows), key=lambda name: int(name.removeprefix(GARBAGE)))
+
+
+def discard(db: sqlite3.Connection, table: str) -> None:
+    """Make ``table`` garbage (a rename: O(1) whatever its size), if it exists."""
+    if db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)).fetchone():
+        tables = garbage_tables(db)
+        number = int(tables[-1].removeprefix(GARBAGE)) + 1 if tables else 1
+        db.execute(f"ALTER TABLE {table} RENAME TO {GARBAGE}{number}")
+
+
+def snapshot_through(db: sqlite3.Connection) -> int:
+    """The last event the snapshot covers (0: no snapshot)."""
+    row = db.execute("SELECT value FROM meta WHERE key = 'snapshot_through'").fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def has_garbage(db: sqlite3.Connection) -> bool:
+    """Whether a compaction left anything to delete."""
+    low = db.execute("SELECT min(id) FROM events").fetchone()[0]
+    return bool(garbage_tables(db)) or (low is not None and low <= snapshot_through(db))
+
+
+def step(db: sqlite3.Connection) -> bool:
+    """Delete one slice of garbage, in the caller's transaction; False once there is none."""
+    tables = garbage_tables(db)
+    if tables:
+        table = tables[0]
+        deleted = db.execute(
+            f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} ORDER BY id LIMIT {ROWS})"
+        ).rowcount
+        if deleted == 0:
+            db.execute(f"DROP TABLE {table}")  # empty: no pages to free
+        return True
+    low = db.execute("SELECT min(id) FROM events").fetchone()[0]
+    through = snapshot_through(db)
+    if low is None or low > through:
+        return False
+    db.execute("DELETE FROM events WHERE id <= ?", (min(through, low + ROWS - 1),))
+    return True
+
+
+def reclaim(db: sqlite3.Connection, keep_bytes: int, at_most_bytes: int) -> bool:
+    """Give up to ``at_most_bytes`` of the database's free pages back to the file system
+    (``auto_vacuum=INCREMENTAL``: the file is truncated), keeping ``keep_bytes`` of them;
+    True if more than that is left. Its own transaction (``executescript`` steps the pragma to
+    its end: ``execute`` would step it once, one page)."""
+    page_size = int(db.execute("PRAGMA page_size").fetchone()[0])
+    free = int(db.execute("PRAGMA freelist_count").fetchone()[0])
+    extra = free - keep_bytes // page_size
+    if extra <= 0:
+        return False
+    pages = min(extra, max(1, at_most_bytes // page_size))
+    started = time.monotonic()
+    db.executescript(f"PRAGMA incremental_vacuum({pages})")
+    left = int(db.execute("PRAGMA freelist_count").fetchone()[0])
+    logger.debug(
+        "gave back %.1f MB of free pages in %.3f s",
+        (free - left) * page_size / 1e6,
+        time.monotonic() - started,
+    )
+    return left < free and left > keep_bytes // page_size  # a database without auto_vacuum gives none
