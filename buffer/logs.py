@@ -1,15 +1,19 @@
 """Logging: configured once, in the entry point; every line a request causes carries its id.
 
 ``configure_logging`` gives the root logger one handler (text or JSON lines) that uvicorn's loggers
-share; ``RequestIdMiddleware`` sets the id of the request being handled in a context variable,
+share, the service's own loggers the level asked and every library's its warnings only;
+``RequestIdMiddleware`` sets the id of the request being handled in a context variable,
 which the handler's filter copies onto each record as ``request_id``.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import logging.config
 import random
 import sys
+from collections.abc import Mapping
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any, Literal, TextIO
@@ -27,6 +31,15 @@ MAX_REQUEST_ID_LENGTH = 128
 # The id of the request being handled; None outside a request. Each request runs in its own task,
 # hence its own copy of the context: ids never leak from one request to another.
 request_id: ContextVar[str | None] = ContextVar("request_id", default=None)
+
+
+def outside_request() -> contextvars.Context:
+    """The current context without the request's id: for work a request starts that outlives
+    it (a job and its workers), whose lines are the job's, not the request's."""
+    context = contextvars.copy_context()
+    context.run(request_id.set, None)
+    return context
+
 
 # What every LogRecord has: anything else on a record came in through ``extra``.
 _RECORD_FIELDS = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
@@ -88,32 +101,52 @@ class JsonFormatter(logging.Formatter):
             return orjson.dumps({**entry, **{key: repr(value) for key, value in extras.items()}}).decode()
 
 
-#: Libraries whose INFO lines are one per engine request.
-CHATTY_LOGGERS = ("httpx", "httpcore", "openai", "aiohttp", "httpx_aiohttp")
+#: The service's own loggers (and their children), which log at the level asked; every other
+#: logger (a library's: httpx, the OpenAI SDK, aiohttp, whatever a generator imports) says only
+#: its warnings and errors, unless named in ``levels`` (``--log-level-for NAME=LEVEL``).
+OWN_LOGGERS = ("buffer", "generator", "default_func", "__main__", *UVICORN_LOGGERS)
 
 
-def configure_logging(level: str, log_format: LogFormat = "text", stream: TextIO | None = None) -> None:
-    """Send every log record, uvicorn's included, to one handler on ``stream`` (default stderr).
+def configure_logging(
+    level: str,
+    log_format: LogFormat = "text",
+    stream: TextIO | None = None,
+    levels: Mapping[str, str] | None = None,
+) -> None:
+    """Send every log record, uvicorn's included, to one handler on ``stream`` (default stderr):
+    the service's own loggers at ``level``, the root (so every library) at WARNING or
+    ``level`` if stricter, and each logger ``levels`` names at its level.
 
-    Replaces the root logger's handlers, so calling it again reconfigures rather than doubling lines.
+    ``logging.config.dictConfig``: calling it again reconfigures rather than doubling lines.
     """
-    handler = logging.StreamHandler(sys.stderr if stream is None else stream)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
-    handler.addFilter(RequestIdFilter())
-    root = logging.getLogger()
-    for old in root.handlers[:]:
-        root.removeHandler(old)
-        old.close()
-    root.addHandler(handler)
-    root.setLevel(level.upper())
-    for name in UVICORN_LOGGERS:  # uvicorn runs with log_config=None: route its loggers to ours
-        uvicorn_logger = logging.getLogger(name)
-        uvicorn_logger.handlers.clear()
-        uvicorn_logger.propagate = True
-    # The HTTP clients log a line per request at INFO (thousands a second from a generator):
-    # their warnings and errors only, unless the service itself logs at a stricter level.
-    for name in CHATTY_LOGGERS:
-        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+    own = {"level": level.upper(), "handlers": [], "propagate": True}
+    config: dict[str, Any] = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "filters": {"request_id": {"()": RequestIdFilter}},
+        "formatters": {"line": {"()": JsonFormatter if log_format == "json" else TextFormatter}},
+        "handlers": {
+            "line": {
+                "class": "logging.StreamHandler",
+                "stream": sys.stderr if stream is None else stream,
+                "formatter": "line",
+                "filters": ["request_id"],
+            }
+        },
+        "root": {"level": max(logging.WARNING, _number(level)), "handlers": ["line"]},
+        # uvicorn runs with log_config=None: its loggers come to the one handler, as the rest.
+        "loggers": {name: dict(own) for name in OWN_LOGGERS},
+    }
+    for name, named_level in (levels or {}).items():
+        config["loggers"][name] = {**config["loggers"].get(name, {}), "level": named_level.upper()}
+    logging.config.dictConfig(config)
+
+
+def _number(level: str) -> int:
+    number = logging.getLevelName(level.upper())
+    if not isinstance(number, int):
+        raise ValueError(f"unknown log level {level!r}")
+    return number
 
 
 def _incoming_id(headers: list[tuple[bytes, bytes]]) -> bytes | None:

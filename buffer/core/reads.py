@@ -8,7 +8,8 @@ then hands over to ``ReadPath.read`` (under the buffer's lock), which in order:
 2. chooses the groups: oldest first across the tasks (``choose``), or shared between tasks
    by weight (``choose_mixed``, ``buffer.core.mixing``), one group per ``instance_id``;
 3. takes them off their tasks' queues and counts what was served (lags, admissions);
-4. reports the statistics window (``meta_info``) and closes it;
+4. reports the statistics window (``meta_info``) and closes it, and the statistics of the
+   groups it returns (``served``);
 5. keeps the read in the store: its ``read`` record and export rows together, with the way
    to take it back (``_unread``) should the store fail to keep it.
 
@@ -24,8 +25,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from buffer import encoding
 from buffer.core.hooks import EVALUATION_SOURCE
 from buffer.core.mixing import allocate, fill_shortfall
+from buffer.core.pipeline import served_rewards
 from buffer.core.records import encode, export_rows
 from buffer.core.stats import RewardStats
 from buffer.core.task import InstanceId, ReadyGroup, TaskBuffer, Window
@@ -172,6 +175,20 @@ def meta_info(tasks: list[TaskBuffer]) -> dict[str, Any]:
     return meta
 
 
+def served_meta_info(groups: list[ReadyGroup]) -> dict[str, Any]:
+    """The statistics of what a read returns (``meta_info["served"]``): the raw rewards of its
+    items, padded copies left out. The top-level figures are slime's, over what was written
+    since the previous read, which is nothing while a trainer drains a backlog."""
+    stats = RewardStats()
+    for group in groups:
+        rewards = group.rewards
+        if rewards is None:  # restored from a snapshot: the items say
+            rewards = group.rewards = served_rewards([encoding.loads(raw) for raw in group.items])
+        for reward in rewards:
+            stats.add(reward)
+    return stats.meta_info(len(groups))
+
+
 def task_weights(task_type: str | None, tasks: list[TaskBuffer]) -> dict[str, float] | None:
     """The tasks' weights for a read naming no task, if any task has one."""
     if task_type is not None or not any(task.settings.weight is not None for task in tasks):
@@ -237,6 +254,7 @@ class ReadPath:
         meta["finished_groups"] = finished
         meta["discarded_groups"] = dict(discarded)
         meta["returned_groups"] = len(groups)
+        meta["served"] = served_meta_info(groups)
         if stale:
             meta["stale_groups"] = stale
         if mixed is not None:

@@ -43,6 +43,7 @@ from buffer.core.task import InstanceId, ReadyGroup, Record, SetAsideGroup, Tall
 from buffer.core.writes import Recent, WritePath, WriteResult
 from buffer.errors import InvalidInput, StorageFailed, TooManyTasks
 from buffer.policy.state import Policy
+from buffer.policy.versions import versioned
 
 if TYPE_CHECKING:
     from buffer.store.base import Store
@@ -263,6 +264,7 @@ class RolloutBuffer:
                 raise InvalidInput.one(prefix + "task_type", reason)
             self._check_task_room(prefix + "task_type", task_type)
         task = self._task(task_type)
+        item = versioned(item, self.policy.version)  # an unversioned one: the service's version
         instance_id, record = write_path.prepare(prefix, item, task.settings.reward_key)
         return task, instance_id, record
 
@@ -433,6 +435,9 @@ class RolloutBuffer:
         what is missing: ``finished_groups``, ``[instance_id, groups]`` finished (delivered,
         ready, discarded or set aside); ``open_groups``, ``[instance_id, repeats]`` with the
         ``extra_info.repeat`` of each trajectory an open group holds (``None`` where absent).
+        Where the trajectories say their ``extra_info.epoch``, also ``finished_epochs``,
+        ``[instance_id, epoch, groups]`` (a part of ``finished_groups``), and ``open_epochs``,
+        ``[instance_id, epoch]`` of the open groups; absent when there are none.
         Groups that timed out while the service was down finish first, as they would have."""
         with self._lock:
             task = self._task(task_type)

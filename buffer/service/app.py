@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from buffer.core.registry import GeneratorRegistry
 from buffer.core.rollout_buffer import RolloutBuffer
 from buffer.errors import InvalidInput, RolloutBufferError
 from buffer.logs import RequestIdMiddleware
+from buffer.policy.gate import Gate
 from buffer.service.gateway.images import ImagePolicy
 from buffer.service.gateway.proxy import EngineProxy
 from buffer.service.gateway.service import Gateway, GatewayConfig
@@ -54,7 +56,7 @@ from buffer.service.security import (
     required_key,
     warn_if_exposed,
 )
-from buffer.service.services import Services, local_url
+from buffer.service.services import Services, Stopping, local_url
 from buffer.service.settings import Settings
 from buffer.signal import Signal
 from buffer.store.base import Store
@@ -68,7 +70,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        registry = GeneratorRegistry(settings.generator_dir, hook_timeout_s=settings.hook_timeout_s)
+        registry = GeneratorRegistry(
+            settings.generator_dir,
+            hook_timeout_s=settings.hook_timeout_s,
+            import_timeout_s=settings.generator_import_timeout_s,
+        )
         await asyncio.to_thread(registry.refresh)
         buffer = RolloutBuffer(
             settings.default_task_settings(),
@@ -80,7 +86,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             strict_tasks=settings.strict_tasks,
         )
         policy = JobPolicy.from_settings(settings)
-        gateway = _gateway(buffer, settings, policy)  # before the restore: it replays the sessions
+        stopping = Stopping()
+        gateway = _gateway(buffer, settings, policy, stopping)  # before the restore: it replays the sessions
         store = await asyncio.to_thread(_restore, buffer, settings)
         ready = Signal()
         buffer.add_listener(ready.notify)
@@ -92,15 +99,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             grace_s=settings.worker_grace_s,
             api_key=required_key(settings),
             log_level=settings.log_level,
+            log_levels=settings.log_levels(),
             ray_address=settings.ray_address,
             worker_env_api_key=settings.worker_env_api_key,
+            check_engines=settings.check_engines,
         )
         buffer.write_observers.append(job_manager.leases.observe)
         watch_logprobs(buffer)  # counted from the first write, not the first scrape
         if store is not None:
             await job_manager.resume(registry, enabled=settings.resume_jobs)
         history = History()
-        app.state.services = Services(settings, buffer, registry, job_manager, ready, history)
+        app.state.services = Services(settings, buffer, registry, job_manager, ready, history, stopping)
         app.state.gateway = gateway
         sweeper = asyncio.create_task(
             _sweep_timeouts(buffer, history, gateway, settings.sweep_interval_s), name="timeout-sweeper"
@@ -112,6 +121,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ", ".join(sorted(registry.generators)) or "none",
         )
         warn_if_exposed(settings)
+        if not settings.generator_dir.is_dir():
+            logger.warning(
+                "the generator folder %s does not exist (--generator-dir): no task has a generator, "
+                "and /start_rollout answers 404 until the folder is made",
+                settings.generator_dir,
+            )
         try:
             yield
         finally:
@@ -199,7 +214,7 @@ def _restore(buffer: RolloutBuffer, settings: Settings) -> Store | None:
     return store
 
 
-def _gateway(buffer: RolloutBuffer, settings: Settings, policy: JobPolicy) -> Gateway:
+def _gateway(buffer: RolloutBuffer, settings: Settings, policy: JobPolicy, stopping: Stopping) -> Gateway:
     """The recording gateway (``/sessions``): its images beside the journal, when there is one."""
     images = ImagePolicy(
         None if settings.data_dir is None else settings.data_dir / "images", local_url(settings) + "/images/"
@@ -212,22 +227,55 @@ def _gateway(buffer: RolloutBuffer, settings: Settings, policy: JobPolicy) -> Ga
         policy,
         local_url(settings),
         config=config,
-        pause_gate=buffer.policy.gate,  # POST /policy/pause holds the agents' calls too
+        # POST /policy/pause holds the agents' calls too, until the service stops
+        pause_gate=_StoppingGate(buffer.policy.gate, stopping),
     )
+
+
+class _StoppingGate:
+    """The policy's gate as the gateway waits on it: an agent's call held by a pause answers
+    (503, retry) at once when the service stops, instead of holding its shutdown up."""
+
+    def __init__(self, gate: Gate, stopping: Stopping) -> None:
+        self._gate = gate
+        self._stopping = stopping
+
+    def is_paused(self) -> bool:
+        return self._gate.is_paused()
+
+    async def wait_resumed(self, timeout_s: float) -> bool:
+        return bool(await self._stopping.unless(self._gate.wait_resumed(timeout_s)))
 
 
 async def _sweep_timeouts(
     buffer: RolloutBuffer, history: History, gateway: Gateway, interval_s: float
 ) -> None:
-    """Finish timed-out groups and sessions even when no request comes to do it; sample the history."""
+    """Finish timed-out groups and sessions even when no request comes to do it; sample the history;
+    keep the buffer's tasks out of the collector's way (``_freeze_new_tasks``)."""
+    frozen_tasks = -1
     while True:
         await asyncio.sleep(interval_s)
         try:
             buffer.expire()
             gateway.expire()
             history.sample(buffer)
+            frozen_tasks = _freeze_new_tasks(buffer, frozen_tasks)
         except Exception:
             logger.exception("timeout sweep failed")
+
+
+def _freeze_new_tasks(buffer: RolloutBuffer, frozen: int) -> int:
+    """``gc.freeze()`` after the start (and its restore) and whenever the tasks have changed since
+    (``frozen``: how many there were then); returns how many there are. A task's containers (its
+    open groups, the uids remembered) live as long as the service, and a full collection visits
+    every entry of a tracked container: at a million pending trajectories that stopped the event
+    loop for over a second. Frozen, they are never visited; their entries are plain tuples and
+    strings, which the collector does not track (``buffer.core.task``). Tasks are few
+    (``--max-tasks``), so the rare cycle frozen with them that becomes garbage later stays bounded."""
+    count = len(buffer.task_types())
+    if count != frozen:
+        gc.freeze()
+    return count
 
 
 async def _buffer_error(request: Request, exc: Exception) -> Response:

@@ -6,6 +6,12 @@
     rollout-buffer tail                follow the trajectories as they are written
     rollout-buffer check DIR [--repair] check a data folder, and salvage what can be read
     rollout-buffer worker --buffer URL --task NAME --generator FILE   run a generator for a buffer elsewhere
+    rollout-buffer simulator [OPTIONS]  the simulated policy server (``python -m buffer.simulator``)
+    rollout-buffer demo [OPTIONS]       the example run (``rollout_buffer_example.sh``)
+
+The installed command works from any folder, slime's ``rollout_buffer/`` (whose own ``buffer.py``
+and ``generator/`` shadow this package for ``python -m buffer`` there) included: a console
+script's ``sys.path`` starts with its own folder, not the working one.
 
 Each subcommand is one ``Command`` in ``COMMANDS``: its flags are added by one function and it is
 run by another, so a new one is one entry. The service's flags are made from ``Settings`` itself:
@@ -21,6 +27,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import types
 import typing
@@ -36,6 +43,9 @@ from buffer import __version__
 from buffer.service.settings import Settings
 
 PROG = "rollout-buffer"
+#: Once the workers have stopped and the long polls answered, how long the requests still in
+#: flight may take before uvicorn cancels them.
+GRACEFUL_SHUTDOWN_S = 3
 HELP_FLAGS = ("-h", "--help")
 
 
@@ -54,6 +64,16 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
+@dataclass(frozen=True, slots=True)
+class Program:
+    """A subcommand that is a program of its own, with its own flags: given the rest of the
+    command line and the name to call itself by."""
+
+    name: str
+    help: str
+    main: Callable[[list[str], str], int | None]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the subcommand named first; with none (or only flags), serve, as ``python buffer.py`` does."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -64,6 +84,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args[:1] == ["--version"]:
         sys.stdout.write(f"{PROG} {__version__}\n")
         sys.exit(0)
+    for program in PROGRAMS:
+        if args[:1] == [program.name]:
+            sys.exit(program.main(args[1:], f"{PROG} {program.name}"))
     if not args or args[0] not in names:
         args = ["serve", *args]
     namespace = parser().parse_args(args)
@@ -88,7 +111,9 @@ def help_text() -> str:
     serve_parser = Parser(prog=f"{PROG} serve")
     add_serve_arguments(serve_parser)
     usage = f"usage: {PROG} [COMMAND] [OPTIONS]\n\n"
-    lines = [f"  {command.name:<8} {command.help}" for command in COMMANDS]
+    named = [(command.name, command.help) for command in COMMANDS]
+    named += [(program.name, program.help) for program in PROGRAMS]
+    lines = [f"  {name:<10} {summary}" for name, summary in named]
     serve_options = serve_parser.format_help().split("\n\n", 1)[1]
     return (
         usage
@@ -109,8 +134,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         annotation = _without_none(field.annotation)
         variable = f"ROLLOUT_BUFFER_{name.upper()}"
-        default = field.default
-        shown = "" if default is None or isinstance(default, SecretStr) else f" (default: {default})"
+        default = field.get_default(call_default_factory=True)
+        shown = "" if default in (None, []) or isinstance(default, SecretStr) else f" (default: {default})"
         help_line = f"{field.description or ''}{shown}; ${variable}".replace("%", "%%")
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_line}
         if annotation is bool:
@@ -124,6 +149,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["choices"] = [str(choice) for choice in typing.get_args(annotation)]
         else:
             kwargs["metavar"] = _metavar(name, annotation)
+        if isinstance(field.json_schema_extra, dict) and "metavar" in field.json_schema_extra:
+            kwargs["metavar"] = field.json_schema_extra["metavar"]
         parser.add_argument(flag, **kwargs)
 
 
@@ -190,7 +217,7 @@ def serve(namespace: argparse.Namespace) -> int:
     from buffer.service.app import create_app
 
     settings = settings_from(namespace)
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, settings.log_format, levels=settings.log_levels())
     # Each write allocates many short-lived objects; collecting the young generation every
     # 50,000 allocations instead of 700 gains some 15% of write throughput. What exists at
     # start-up (imports, settings) is never garbage: keep it out of every collection.
@@ -201,29 +228,39 @@ def serve(namespace: argparse.Namespace) -> int:
         app,
         host=settings.host,
         port=settings.port,
-        log_level=settings.log_level,
-        log_config=None,  # keep the format configured above
+        log_level=None,  # keep the levels configured above, --log-level-for uvicorn.error=... too
+        log_config=None,  # and the format
         access_log=settings.access_log,
         timeout_keep_alive=5,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         **_connection_options(settings),
     )
 
     class Server(uvicorn.Server):
-        """uvicorn's server, telling the app first when SIGTERM or Ctrl-C arrives: long polls
-        answer at once instead of holding the graceful shutdown up for their whole wait."""
+        """uvicorn's server, stopping in the order that loses nothing, well within the 10 s
+        ``docker stop`` gives: at SIGTERM or Ctrl-C the jobs' workers stop first, while the port
+        is open, so their last writes land (at most ``--worker-grace-s``); then the long polls
+        answer at once, uvicorn closes the port and finishes the requests in flight (at most
+        ``GRACEFUL_SHUTDOWN_S``), and the app's lifespan closes the journal."""
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            services = getattr(app.state, "services", None)
-            if services is not None:
-                services.begin_shutdown()
             super().handle_exit(sig, frame)
             if sig == signal.SIGTERM:
                 # uvicorn raises a captured signal again once it has shut down, which makes
                 # the exit status -15; a stop asked for and done cleanly is a success: 0.
                 self._captured_signals.remove(sig)
 
-    # SIGTERM: uvicorn stops accepting and finishes the requests in flight; then the app's
-    # lifespan stops the jobs and closes the journal, and the process exits 0.
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            services = getattr(app.state, "services", None)
+            if services is not None:
+                if not self.force_exit:
+                    try:
+                        await services.jobs.shutdown()
+                    except Exception:  # the port closes, and the journal, all the same
+                        logging.getLogger(__name__).exception("stopping the jobs failed")
+                services.begin_shutdown()
+            await super().shutdown(sockets)
+
     Server(config).run()
     return 0
 
@@ -307,4 +344,23 @@ COMMANDS: tuple[Command, ...] = (
     Command("tail", "follow the trajectories a running buffer receives", _add_tail_arguments, _run_console),
     Command("check", "check a data folder, and with --repair salvage it", _add_check_arguments, _run_check),
     Command("worker", "run a generator here for a buffer elsewhere", _add_worker_arguments, _run_worker),
+)
+
+
+def _simulator(argv: list[str], prog: str) -> int:
+    from buffer.simulator.cli import main as simulate
+
+    simulate(argv, prog)
+    return 0
+
+
+def _demo(argv: list[str], prog: str) -> int:
+    from buffer import demo
+
+    return demo.main(argv, prog)
+
+
+PROGRAMS: tuple[Program, ...] = (
+    Program("simulator", "the simulated policy server (SGLang or vLLM; the sim extra)", _simulator),
+    Program("demo", "the example run: a policy server, this buffer, a trainer polling it", _demo),
 )

@@ -8,8 +8,9 @@ the operator did not allow:
   ``data`` and the service's working folder, unless that is ``/``, a home or a system folder:
   ``buffer.paths.too_broad``), symbolic links resolved, and be a regular file
   if it exists: no ``/etc/...`` read back through an evaluation rollout, no ``/dev/zero`` read
-  until memory runs out. The job gets the resolved path (one that does not exist yet is
-  passed on: the generator reports it, or has a use of its own for the name).
+  until memory runs out; and it must exist and be readable by the service: a start refused at
+  once, naming ``input_file``, rather than a job that fails after the trainer was told it
+  started. The job gets the resolved path.
 - every URL (a field named ``*_url``, or ``*_urls`` holding a list; a ``*_url`` may hold a
   list too: ``remote_engine_url`` naming an engine pool) must be http(s), and with
   ``engine_hosts`` set, name one of those hosts or this service itself. Unset, any host is
@@ -90,20 +91,25 @@ class JobPolicy:
         if not isinstance(value, str) or not value or "\0" in value:
             raise InvalidInput.one("input_file", "must be a file path")
         path = Path(value).expanduser()
-        resolved = (path if path.is_absolute() else Path.cwd() / path).resolve()
+        named = path if path.is_absolute() else Path.cwd() / path
+        resolved = named.resolve()
         if not any(resolved.is_relative_to(root) for root in self.input_roots):
             roots = ", ".join(str(root) for root in self.input_roots)
             raise InvalidInput.one(
-                "input_file", f"must lie under the service's input roots ({roots}; --input-roots)"
+                "input_file",
+                f"must lie under the service's input roots ({roots}): start the service with "
+                f"--input-roots {named.parent} (or ROLLOUT_BUFFER_INPUT_ROOTS) to read from there",
             )
         try:
             mode = os.stat(resolved).st_mode
-        except FileNotFoundError:  # the generator says so, or has a use of its own for the name
-            return resolved
+        except FileNotFoundError:
+            raise InvalidInput.one("input_file", f"no such file: {resolved}") from None
         except OSError as exc:
             raise InvalidInput.one("input_file", f"cannot be read: {exc.strerror}") from None
         if not stat.S_ISREG(mode):
             raise InvalidInput.one("input_file", "must be a regular file, not a device, a pipe or a folder")
+        if not os.access(resolved, os.R_OK):
+            raise InvalidInput.one("input_file", f"cannot be read by the service: {resolved}")
         return resolved
 
     def _url(self, field: str, value: Any, service_url: str) -> None:

@@ -29,7 +29,10 @@ A ``Job`` is a ``buffer.current.JobContext`` with the service's bookkeeping adde
 timings, error, workers): inline, the generator's ``current_job()`` is the job itself, so what
 it reports (``progress``) and what it is told (the cancel) need no copying between two objects,
 while the generator side imports only the ``JobContext`` leaf, never this module. An inline job
-is handed the service's ``LocalSink`` as its ``writer`` and the lease board.
+is handed a ``LocalSink`` of the service's buffer as its ``writer`` and the lease board.
+
+A job whose trajectories the buffer refused as invalid fails, saying how many, even if its
+generator caught the errors and returned (``JobContext.refusal``; in a worker process too).
 
 With a data folder, the jobs running when the service stops run again after its restart
 (``resume``), each given in ``data["resume"]`` what it had produced (the buffer's
@@ -52,10 +55,8 @@ import contextlib
 import contextvars
 import enum
 import functools
-import hashlib
 import importlib.util
 import itertools
-import json
 import logging
 import os
 import threading
@@ -67,8 +68,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
-
 from buffer import paths
 from buffer.core.registry import Generator, GeneratorRegistry, where
 from buffer.core.rollout_buffer import RolloutBuffer
@@ -76,11 +75,17 @@ from buffer.current import JobContext, running
 from buffer.errors import InvalidInput, UnknownJob
 from buffer.keys import API_KEY_VARIABLE
 from buffer.lease_terms import lease_settings
+from buffer.logs import outside_request
+from buffer.policy.state import follow_policy
+from buffer.service.engine_check import EngineStatus, watch_engines
+from buffer.service.job_address import SERVICE_URL_FIELD, rehomed
 from buffer.service.job_policy import JobPolicy
 from buffer.service.local_sink import LocalSink
+from buffer.service.plans import plan_of
 from buffer.workers import ray_worker
 from buffer.workers.leases import LeaseBoard
 from buffer.workers.process import WorkerOutcome, WorkerProcess
+from buffer.workers.progress import merged_reports
 from buffer.workers.ray_worker import RayWorker
 from buffer.workers.spec import WorkerSpec
 
@@ -105,34 +110,6 @@ Isolation = Literal["process", "inline"]
 MAX_CRASHES = 2
 
 
-class _PlanFields(BaseModel):
-    """The /start_rollout fields that define a toolkit job's plan (``buffer.toolkit.dataset.Plan``),
-    with the toolkit's defaults: what two jobs must share for one to continue the other."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    input_file: str | None = None
-    num_repeat_per_sample: int = 1
-    num_epoch: int = 1
-    seed: int = 0
-    shuffle: bool = True
-    input_key: str = "prompt"
-    label_key: str = "label"
-    skip_instance_ids: list[str | int] = []
-
-
-def plan_of(data: dict[str, Any]) -> str | None:
-    """A fingerprint of the plan ``data`` defines (``_PlanFields``, the numbers slime sends as
-    strings read as numbers, the skips in any order); None when they cannot be read."""
-    try:
-        fields = _PlanFields.model_validate(data).model_dump()
-    except ValidationError:
-        return None
-    fields["skip_instance_ids"] = sorted(str(instance_id) for instance_id in fields["skip_instance_ids"])
-    canonical = json.dumps(fields, sort_keys=True).encode()
-    return hashlib.blake2b(canonical, digest_size=12).hexdigest()
-
-
 class JobStatus(str, enum.Enum):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -155,11 +132,21 @@ class Job(JobContext):
     where: str | None = None  # the innermost frame of the generator's code
     workers: list[WorkerProcess | RayWorker] = field(default_factory=list, repr=False)
     restarts: int = 0  # of its workers, after one was lost
+    #: What the probes of its ``remote_engine_url`` found while it runs (``EngineWatch``).
+    engine: EngineStatus | None = None
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
     def done(self) -> bool:
         return self.status is not JobStatus.RUNNING
+
+    def reported_progress(self) -> dict[str, Any]:
+        """What its generator last reported (the toolkit's counts): its workers' reports
+        (``buffer.workers.progress``) added up, those of workers it replaced included, or,
+        inline, its own. What ``/jobs``, ``/metrics`` and the dashboard all show."""
+        if not self.workers:
+            return dict(self.progress)  # a generator thread may be updating it
+        return merged_reports([(worker.progress(), worker.outcome is not None) for worker in self.workers])
 
     def describe(self, written_now: int) -> dict[str, Any]:
         end = self.finished_at or time.time()
@@ -172,13 +159,13 @@ class Job(JobContext):
             "finished_at": self.finished_at,
             "duration_s": round(end - self.started_at, 3),
             "counters": {"written": written_now - self.written_at_start},
-            "progress": _merged([worker.progress() for worker in self.workers])
-            if self.workers
-            else dict(self.progress),
+            "progress": self.reported_progress(),
             "error": self.error,
             "where": self.where,
             "workers": [worker.describe() for worker in self.workers],
             "worker_restarts": self.restarts,
+            "engine": self.engine.describe() if self.engine else None,
+            "warning": self.engine.warning() if self.engine and not self.done else None,
         }
 
 
@@ -194,32 +181,38 @@ class JobManager:
         grace_s: float = 5.0,
         api_key: str | None = None,
         log_level: str = "info",
+        log_levels: dict[str, str] | None = None,
         ray_address: str | None = None,
         worker_env_api_key: bool = False,
+        check_engines: bool = True,
     ) -> None:
         """``api_key``: the service's own, given to its workers (in their spec) to write back
         to it; ``ray_address``: run workers as Ray actors there (a job's ``ray_address`` too);
         ``worker_env_api_key``: put the key in the workers' environment too (for a generator
-        whose own subprocesses write), where by default it is not."""
+        whose own subprocesses write), where by default it is not; ``check_engines``: probe a
+        job's engines while it runs (``buffer.service.engine_check``), unless it runs on Ray."""
         self.isolation = isolation
         self.ray_address = ray_address
         self._api_key = api_key
         self.grace_s = grace_s
         self._log_level = log_level
+        self._log_levels = dict(log_levels or {})
         self._worker_env_api_key = worker_env_api_key
         self._worker_env = _worker_env(api_key if worker_env_api_key else None)
         self._locks: dict[str, asyncio.Lock] = {}
-        #: Work leases: a job's workers, and remote ones (``rollout-buffer worker --leases``).
-        self.leases = LeaseBoard()
+        #: Work leases: a job's workers, and remote ones (``rollout-buffer worker --leases``), of
+        #: as many tasks as the buffer keeps (``--max-tasks``).
+        self.leases = LeaseBoard(max_tasks=buffer.max_tasks, settle_at_start=bool(buffer.task_types()))
         self._buffer = buffer
         self._buffer_url = buffer_url
         self.policy = policy or JobPolicy(input_roots=(Path.cwd(),))
         self._jobs: OrderedDict[str, Job] = OrderedDict()
-        #: What an inline job's generator writes with when it names this service.
-        self._writer = LocalSink(buffer)
         self._ids = itertools.count(1)
         self._keep = keep
         self._stopping = False
+        self.check_engines = check_engines
+        #: Each running job's ``EngineWatch`` task.
+        self._watches: set[asyncio.Task[None]] = set()
 
     async def check(self, data: dict[str, Any]) -> dict[str, Any]:
         """``data`` as a job may run it (``JobPolicy.check``): call before ``start``."""
@@ -240,6 +233,7 @@ class JobManager:
         if isinstance(checked.get("lease_ttl_s"), bool) or not 0 < ttl_s <= 3600:
             raise InvalidInput.one("lease_ttl_s", "seconds, more than 0 and at most 3600")
         checked["lease_ttl_s"] = ttl_s
+        checked[SERVICE_URL_FIELD] = self._buffer_url  # a job resumed elsewhere: ``rehomed``
         ray_address = checked.get("ray_address")
         if ray_address is not None and not (isinstance(ray_address, str) and ray_address):
             raise InvalidInput.one("ray_address", "a Ray cluster's address, e.g. ray://head:10001, or local")
@@ -248,6 +242,11 @@ class JobManager:
                 "ray_address", "Ray is not installed here: pip install 'rollout-buffer[ray]'"
             )
         return checked
+
+    def engines_checked(self, data: dict[str, Any]) -> bool:
+        """Whether the service probes the engines of a job of ``data`` (not on Ray: its engines
+        may be reachable only from the cluster)."""
+        return self.check_engines and not (data.get("ray_address") or self.ray_address)
 
     def lock(self, name: str) -> asyncio.Lock:
         """Held while a job of the task ``name`` is being started or replaced, so two requests
@@ -315,6 +314,7 @@ class JobManager:
             except InvalidInput as exc:  # the policy changed since it started
                 jobs.append(self._not_resumed(task_type, generator, spec["data"], exc.message))
                 continue
+            data = await rehomed(data, spec["data"].get(SERVICE_URL_FIELD), self._buffer_url)
             self._buffer.job_resumed(task_type, crashes)
             data["resume"] = self._buffer.resume_point(task_type)
             job = self._new_job(task_type, str(generator.path), data)
@@ -356,11 +356,19 @@ class JobManager:
         return job
 
     def _launch(self, job: Job, generator: Generator) -> None:
+        # Started or resumed after a restart alike: its generator follows the policy, admitted.
+        consumed = functools.partial(self._buffer.consumed_groups, job.task_type)
+        follow_policy(self._buffer.policy, self._buffer_url, job.task_type, job.data, consumed)
         run = self._run_workers if self.isolation == "process" else self._run
-        job._task = asyncio.get_running_loop().create_task(run(job, generator), name=job.id)
+        loop, outside = asyncio.get_running_loop(), outside_request()  # the job's lines, not the request's
+        job._task = loop.create_task(run(job, generator), name=job.id, context=outside)
+        if self.engines_checked(job.data):
+            job.engine = outside.run(
+                watch_engines, job.id, job.data.get("remote_engine_url"), lambda: job.done, self._watches
+            )
 
     async def _run_workers(self, job: Job, generator: Generator) -> None:
-        opened = self.leases.open(job.task_type)
+        opened = self.leases.open(job.task_type, _settle_s(job.data))
         try:
             failure = await self._run_round(job, generator)
             if failure is not None and not job.done:
@@ -380,7 +388,7 @@ class JobManager:
                 self._finish(job, JobStatus.SUCCEEDED)
                 logger.info("%s: %s generator finished", job.id, job.task_type)
         finally:
-            self.leases.close(job.task_type, opened)
+            self.leases.close(job.task_type, opened, finished=job.status is JobStatus.SUCCEEDED)
 
     async def _run_round(self, job: Job, generator: Generator) -> WorkerOutcome | None:
         """Run the job's workers until all succeed (None) or one fails (its outcome; the others
@@ -411,6 +419,7 @@ class JobManager:
                 index=index,
                 count=count,
                 log_level=self._log_level,
+                log_levels=self._log_levels,
                 api_key_hosts=tuple(sorted(self.policy.api_key_hosts)),
                 api_key=self._api_key,
             )
@@ -496,9 +505,9 @@ class JobManager:
 
     async def _run_inline(self, job: Job, generator: Generator) -> None:
         # In this process the toolkit writes to the buffer and claims from the board itself
-        # (``buffer.toolkit.leased.BoardLeases``).
-        job.writer = self._writer
-        opened = self.leases.open(job.task_type)
+        # (``buffer.toolkit.leased.BoardLeases``). Its writer counts refusals on it.
+        job.writer = LocalSink(self._buffer, job)
+        opened = self.leases.open(job.task_type, _settle_s(job.data))
         job.lease_board = self.leases
         ttl_s = float(job.data.get("lease_ttl_s", DEFAULT_LEASE_TTL_S))
         leases = lease_settings(f"{job.id}/0.0", ttl_s, job.data.get("num_process", 100))
@@ -518,8 +527,12 @@ class JobManager:
             if isinstance(exc, KeyboardInterrupt):
                 raise
         else:
-            self._finish(job, JobStatus.SUCCEEDED)
-            logger.info("%s: %s generator finished", job.id, job.task_type)
+            refusal = job.refusal()  # its generator caught them and returned: still no success
+            self._finish(job, JobStatus.FAILED if refusal else JobStatus.SUCCEEDED, refusal)
+            if refusal:
+                logger.error("%s: %s generator returned, but %s", job.id, job.task_type, refusal)
+            else:
+                logger.info("%s: %s generator finished", job.id, job.task_type)
         finally:
             # A sync generator's tasks ran on its thread's loop, closed by now; the others on this.
             loop = asyncio.get_running_loop()
@@ -527,7 +540,7 @@ class JobManager:
                 with contextlib.suppress(RuntimeError):  # its loop has closed
                     task.get_loop().call_soon_threadsafe(task.cancel)
             await asyncio.gather(*(t for t in job.background if t.get_loop() is loop), return_exceptions=True)
-            self.leases.close(job.task_type, opened)
+            self.leases.close(job.task_type, opened, finished=job.status is JobStatus.SUCCEEDED)
 
     def _finish(
         self,
@@ -598,7 +611,15 @@ class JobManager:
         for job in running:
             self._buffer.job_paused(job.task_type)
         await asyncio.gather(*(self.cancel(job.id) for job in running))
+        for watch in self._watches:
+            watch.cancel()
+        await asyncio.gather(*self._watches, return_exceptions=True)
         await asyncio.to_thread(ray_worker.shutdown)
+
+
+def _settle_s(data: dict[str, Any]) -> float:
+    """How long the board of a resumed job settles (``LeaseBoard.open``): one lease term."""
+    return float(data.get("lease_ttl_s", DEFAULT_LEASE_TTL_S)) if "resume" in data else 0.0
 
 
 def _share_of(data: dict[str, Any], index: int, count: int) -> dict[str, Any]:
@@ -609,21 +630,6 @@ def _share_of(data: dict[str, Any], index: int, count: int) -> dict[str, Any]:
         return data
     total = int(total)
     return {**data, "num_process": max(1, total // count + (1 if index < total % count else 0))}
-
-
-def _merged(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """One progress report from each worker's: numbers added up, anything else the first's."""
-    if len(reports) == 1:
-        return reports[0]
-    merged: dict[str, Any] = {}
-    for report in reports:
-        for key, value in report.items():
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if key in merged and number and isinstance(merged[key], (int, float)):
-                merged[key] += value
-            else:
-                merged.setdefault(key, value)
-    return merged
 
 
 def _worker_env(api_key: str | None) -> dict[str, str]:

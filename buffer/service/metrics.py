@@ -7,10 +7,11 @@ token logprobs, by what those are (``buffer.logprob_kinds``: only ``sampling`` o
 trainer as rollout logprobs).
 
 The LLM figures (requests, retries, failed trajectories, latency histogram, throughput, answers
-by finish_reason, answer lengths) are
-those of ``buffer.toolkit.run_rollouts`` as it publishes them on ``job.progress``; they are
-summed over the jobs of a task the job manager still keeps, so a forgotten job's share
-leaves its counters (Prometheus reads that as a counter reset).
+by finish_reason, answer lengths) are those of ``buffer.toolkit.run_rollouts`` as it publishes
+them on ``job.progress``, read as ``GET /jobs/{id}`` shows them (``Job.reported_progress``: a
+job's worker processes push their reports down a pipe, ``buffer.workers.progress``, their last
+one at their exit); they are summed over the jobs of a task the job manager still keeps, so a
+forgotten job's share leaves its counters (Prometheus reads that as a counter reset).
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ class BufferCollector(Collector):
             task, state = job.task_type, job.status.value
             by_state[state] += 1
             by_task[task, state] += 1
-            progress = dict(job.progress)  # a generator thread may be updating it
+            progress = job.reported_progress()  # what /jobs shows: the workers' reports, or inline its own
             if not progress:
                 continue
             for key, counts in totals.items():

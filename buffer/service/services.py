@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from starlette.requests import Request
 
@@ -16,6 +20,39 @@ from buffer.service.jobs import JobManager
 from buffer.service.settings import Settings
 from buffer.signal import Signal
 
+T = TypeVar("T")
+
+
+class Stopping:
+    """The service's shutdown as its long polls see it: once ``begin`` is called (the jobs'
+    workers have stopped and the port is about to close), each wait ends at once."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._signal = Signal()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def begin(self) -> None:
+        self._event.set()
+        self._signal.notify()
+
+    async def unless(self, awaitable: Awaitable[T]) -> T | None:
+        """``awaitable``'s result, or None (and it cancelled) once the shutdown has begun."""
+        task = asyncio.ensure_future(awaitable)
+        ticket = self._signal.ticket()  # before the check: a begin cannot slip past
+        try:
+            if not self.is_set():
+                await asyncio.wait((task, ticket.future), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ticket.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        return None if task.cancelled() else task.result()
+
 
 @dataclass(frozen=True, slots=True)
 class Services:
@@ -25,12 +62,14 @@ class Services:
     jobs: JobManager
     ready: Signal
     history: History
-    stopping: threading.Event = field(default_factory=threading.Event)
+    stopping: Stopping = field(default_factory=Stopping)
 
     def begin_shutdown(self) -> None:
-        """The service got SIGTERM: long polls stop waiting and answer with what is ready."""
-        self.stopping.set()
+        """The service is stopping (its jobs' workers have): long polls stop waiting and
+        answer with what is ready, before uvicorn waits for the requests in flight."""
+        self.stopping.begin()
         self.ready.notify()
+        self.buffer.policy.changed.notify()  # the watches
 
     async def wait_for_items(
         self, request: Request, task_type: str | None, count: int, timeout_s: float

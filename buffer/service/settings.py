@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import AfterValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, CliImplicitFlag, SettingsConfigDict
 
 from buffer import paths
@@ -17,6 +17,19 @@ logger = logging.getLogger(__name__)
 
 #: A century: longer is no retention policy, and past what a date can hold (``inf`` least of all).
 MAX_RETENTION_HOURS = 100 * 365 * 24
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _logger_level(entry: str) -> str:
+    """``NAME=LEVEL`` (the level in any case), as ``name=level``."""
+    name, equals, level = entry.strip().partition("=")
+    if not equals or not name.strip() or level.strip().lower() not in LOG_LEVELS:
+        raise ValueError(f"{entry!r} is not NAME=LEVEL, LEVEL one of {', '.join(LOG_LEVELS)}")
+    return f"{name.strip()}={level.strip().lower()}"
+
+
+LoggerLevel = Annotated[str, AfterValidator(_logger_level)]
 
 #: ``generator/`` beside ``buffer.py``: the checkout's, or the installed copy's.
 DEFAULT_GENERATOR_DIR = paths.GENERATOR_DIR
@@ -55,6 +68,13 @@ class Settings(BaseSettings):
     )
     log_format: LogFormat = Field(
         "text", description="text: one readable line per event; json: one JSON object a line"
+    )
+    log_level_for: list[LoggerLevel] = Field(
+        default_factory=list,
+        description="a logger's own level, e.g. openai=info or buffer.service.jobs=debug: by default "
+        "the service's loggers (buffer, generator, uvicorn) log at --log-level and every library's "
+        "only its warnings and errors",
+        json_schema_extra={"metavar": "NAME=LEVEL"},
     )
     access_log: CliImplicitFlag[bool] = Field(False, description="log every HTTP request (costs throughput)")
     dedup_window: int = Field(
@@ -109,6 +129,7 @@ class Settings(BaseSettings):
         [],
         description="web origins (https://host:port, or * for any) whose pages may POST to the service; "
         "by default a browser request from another origin gets 403",
+        json_schema_extra={"metavar": "ORIGIN"},
     )
     allowed_hosts: list[str] | None = Field(
         None,
@@ -116,6 +137,7 @@ class Settings(BaseSettings):
         "421, which stops DNS rebinding; loopback names are always allowed. Default: with an API key, "
         "any; listening on 0.0.0.0 or ::, any for clients, and for browsers this machine's name, "
         "names without a dot and IP addresses; else --host",
+        json_schema_extra={"metavar": "HOST"},
     )
     max_header_bytes: int = Field(
         64 * 2**10, ge=1024, description="a request whose line and headers are larger than this gets 431"
@@ -142,16 +164,26 @@ class Settings(BaseSettings):
         description="folders a /start_rollout input_file may lie in (default: the generator folder's "
         "data and the working folder, unless that is /, a home or a system folder); anything else, "
         "or a device file, gets 422",
+        json_schema_extra={"metavar": "DIR"},
+    )
+    check_engines: CliImplicitFlag[bool] = Field(
+        True,
+        description="ask a job's remote_engine_url (GET /health) before /start_rollout answers, refusing "
+        "a start none of whose engines can be reached (503), and every 2 s while it runs (the job says "
+        "since when its engine is unreachable); not for jobs on Ray, whose engines may be reachable "
+        "only from the cluster",
     )
     allowed_engine_hosts: list[str] | None = Field(
         None,
         description="hosts a generator job may call for a client (remote_engine_url, reward model and "
         "other *_url fields; this service is always allowed); default: any host",
+        json_schema_extra={"metavar": "HOST"},
     )
     send_api_key_to: list[str] = Field(
         default_factory=list,
         description="hosts a job's remote_buffer_url may name to be sent this service's own API key; "
         "default: none (a client naming another buffer sends its key as buffer_api_key)",
+        json_schema_extra={"metavar": "HOST"},
     )
     job_isolation: Literal["process", "inline"] = Field(
         "process",
@@ -165,6 +197,7 @@ class Settings(BaseSettings):
         None,
         description="run each job's workers as Ray actors on this cluster (e.g. ray://head:10001, auto, "
         "or local for a Ray instance of the service's own); needs the ray extra",
+        json_schema_extra={"metavar": "ADDRESS"},
     )
     worker_env_api_key: CliImplicitFlag[bool] = Field(
         False,
@@ -173,6 +206,12 @@ class Settings(BaseSettings):
     )
     hook_timeout_s: float = Field(
         2.0, gt=0, description="a generator's hook (is_valid_group, ...) that runs longer fails its group"
+    )
+    generator_import_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a generator file whose import (tried first in a process of its own) takes longer "
+        "is reported, not loaded",
     )
     strict_tasks: CliImplicitFlag[bool] = Field(
         False,
@@ -183,7 +222,12 @@ class Settings(BaseSettings):
         None,
         description="require 'Authorization: Bearer <key>' on every endpoint but GET / and /health; "
         "better set as ROLLOUT_BUFFER_API_KEY than on the command line",
+        json_schema_extra={"metavar": "KEY"},
     )
+
+    def log_levels(self) -> dict[str, str]:
+        """``--log-level-for``, as logger name to level (a later entry for a name wins)."""
+        return dict(entry.split("=", 1) for entry in self.log_level_for)
 
     def default_task_settings(self) -> TaskSettings:
         return TaskSettings(group_size=self.group_size, group_timeout_s=self.group_timeout_seconds)

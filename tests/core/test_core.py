@@ -177,6 +177,23 @@ def test_meta_info_covers_everything_written_since_the_last_successful_read(cloc
     assert buffer.read().meta_info["total_samples"] == 2
 
 
+def test_served_statistics_describe_what_a_read_returns_while_a_backlog_drains(clock: FakeClock) -> None:
+    """slime's figures cover what was written since the last read: nothing while the trainer
+    drains a backlog. ``served`` covers the groups returned, raw rewards, every read."""
+    buffer = make_buffer(clock)
+    for item in group("q1", [0, 1, 1, 0]) + group("q2", [1, 1, 0, 1]) + group("q3", [1, 1, 1, 0]):
+        buffer.write(item)
+    first = buffer.read(max_items=4).meta_info
+    assert first["total_samples"] == 12
+    assert first["served"]["total_samples"] == 4
+    assert first["served"]["avg_reward"] == pytest.approx(0.5)
+    second = buffer.read(max_items=4).meta_info  # nothing written since the last read
+    assert second["total_samples"] == 0
+    assert second["served"]["num_groups"] == 1
+    assert second["served"]["avg_reward"] == pytest.approx(0.75)
+    assert second["served"]["reward_min"] == 0
+
+
 def test_an_unsuccessful_read_reports_statistics_but_keeps_finished_groups_for_the_next(
     clock: FakeClock,
 ) -> None:

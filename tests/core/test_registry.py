@@ -111,6 +111,11 @@ def test_sys_exit_at_import_is_a_load_error_not_an_exit(generator_dir: Path) -> 
             "async def filter_item(item, task_type):\n    return True\n",
             "filter_item must be a plain function: hooks run synchronously on each group",
         ),
+        (
+            'TASK_TYPE = "t"\nSTART_ROLLOUT_FIELDS = "difficulty"\ndef run_rollout(data):\n    pass\n',
+            "START_ROLLOUT_FIELDS must be a tuple of field names, a pydantic model of the fields, "
+            "or '*' (any field), not 'difficulty'",
+        ),
     ],
 )
 def test_contract_violations_are_named(generator_dir: Path, source: str, message: str) -> None:
@@ -120,19 +125,38 @@ def test_contract_violations_are_named(generator_dir: Path, source: str, message
     assert error["error"] == message
 
 
-def test_a_repeated_task_type_names_both_files_and_neither_is_used(generator_dir: Path) -> None:
+def test_a_repeated_task_type_keeps_the_first_file_and_reports_the_other_naming_both(
+    generator_dir: Path,
+) -> None:
     write_generator(generator_dir, "math_generator.py", GOOD)
     write_generator(generator_dir, "copy_of_math_generator.py", GOOD)
     write_generator(generator_dir, "other_generator.py", GOOD.replace('"math"', '"other"'))
     registry = registry_of(generator_dir)
-    assert set(registry.generators) == {"other"}
-    assert len(registry.errors) == 2
-    for error in registry.errors:
-        assert error.kind == "duplicate"
-        assert "math_generator.py" in error.error
-        assert "copy_of_math_generator.py" in error.error
-    with pytest.raises(GeneratorUnavailable):
-        registry.get("math")
+    assert set(registry.generators) == {"math", "other"}
+    assert registry.get("math").path.name == "copy_of_math_generator.py"  # the first, sorted
+    (error,) = registry.errors
+    assert error.kind == "duplicate"
+    assert error.path.name == "math_generator.py"
+    assert "copy_of_math_generator.py" in error.error
+    assert "not used" in error.error
+
+
+def test_a_copy_of_a_serving_generator_does_not_take_its_task_over(generator_dir: Path) -> None:
+    """Copying the template (as the docs say) before changing its TASK_TYPE leaves the task
+    served by the file that served it, whatever the copy's name sorts as."""
+    write_generator(generator_dir, "math_generator.py", GOOD)
+    registry = registry_of(generator_dir)
+    serving = registry.get("math")
+    write_generator(generator_dir, "a_copy_generator.py", GOOD)
+    registry.refresh()
+    assert registry.get("math") is serving
+    (error,) = registry.errors
+    assert (error.kind, error.path.name) == ("duplicate", "a_copy_generator.py")
+    assert str(serving.path) in error.error
+    (generator_dir / "a_copy_generator.py").write_text(GOOD.replace('"math"', '"aime_copy"'))
+    registry.refresh()
+    assert set(registry.generators) == {"math", "aime_copy"}
+    assert registry.errors == []
 
 
 def test_unknown_task_lists_the_available_ones(generator_dir: Path) -> None:
@@ -205,3 +229,47 @@ def test_a_file_that_failed_to_import_is_retried_once_its_package_appears(
     assert registry.errors == []
     assert list(registry.generators) == ["web"]
     sys.modules.pop("late_installed_package", None)
+
+
+# -- a file's import runs in a process of its own first (issue 24) --------------------------------
+
+
+def test_a_file_whose_import_ends_the_process_is_reported_and_never_imported_here(
+    generator_dir: Path,
+) -> None:
+    """``os._exit`` at the top level ended the service; now it ends the discovery process."""
+    write_generator(generator_dir, "exit_generator.py", 'import os\nTASK_TYPE = "exit"\nos._exit(7)\n')
+    write_generator(generator_dir, "math_generator.py", GOOD)
+    write_generator(generator_dir, "zeta_generator.py", GOOD.replace('"math"', '"zeta"'))  # after it
+    registry = registry_of(generator_dir)
+    assert set(registry.generators) == {"math", "zeta"}
+    error = only_error(registry)
+    assert (error["kind"], error["task_type"]) == ("import", "exit")
+    assert error["error"].startswith("its import ended the process (exit code 7)")
+    assert not any(name.startswith("rollout_generator_exit_generator") for name in sys.modules)
+
+
+def test_a_file_whose_import_outlasts_its_limit_is_reported_where_it_hangs_and_not_retried(
+    generator_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_generator(
+        generator_dir,
+        "slow_generator.py",
+        'import time\nTASK_TYPE = "slow"\ntime.sleep(30)\ndef run_rollout(data):\n    pass\n',
+    )
+    write_generator(generator_dir, "math_generator.py", GOOD)
+    registry = GeneratorRegistry(generator_dir, import_timeout_s=2)
+    registry.refresh()
+    assert set(registry.generators) == {"math"}
+    (error,) = registry.errors
+    assert (error.kind, error.task_type) == ("import", "slow")
+    assert error.error.startswith("its import did not finish within 2 s")
+    assert error.where == "generator/slow_generator.py:3"
+    assert "Timeout" in caplog.text  # the stacks it was in, in the log
+    registry.refresh()  # each try costs its limit: tried again only once the file changes
+    assert registry.errors[0] is error
+
+
+def test_what_a_generator_prints_as_it_is_imported_does_not_confuse_discovery(generator_dir: Path) -> None:
+    write_generator(generator_dir, "loud_generator.py", 'print("{\\"path\\": 1}")\n' + GOOD)
+    assert set(registry_of(generator_dir).generators) == {"math"}

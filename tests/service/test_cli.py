@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,93 @@ def test_status_against_nothing_is_one_line(capsys: pytest.CaptureFixture[str]) 
     assert code == 1
     assert err.startswith("rollout-buffer status: ")
     assert err.count("\n") == 1
+
+
+#: What a type expression looks like where a metavar should be a word (``--host str``,
+#: ``--seed {int,null}``): a reader learns nothing from it.
+TYPE_METAVAR = re.compile(r"--[a-z-]+ (?:str|int|float|bool|list|dict|null|\{[a-z]+,null\}|\{[^}]*,null\})\b")
+
+
+def program_help(*argv: str) -> str:
+    done = subprocess.run(
+        [sys.executable, *argv, "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return " ".join(done.stdout.split())  # argparse wraps at the terminal's width
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (["buffer.py"], ["--port N port to listen on (default: 8889); $ROLLOUT_BUFFER_PORT"]),
+        (
+            ["-m", "buffer.simulator"],
+            [
+                "--host HOST interface to listen on (default: 127.0.0.1); $ROLLOUT_BUFFER_SIM_HOST",
+                "--seed N",
+                "--port PORT",
+            ],
+        ),
+        (["-m", "buffer.demo"], ["--steps N trainer steps (STEPS) (default: 5)", "--model NAME"]),
+        (["-m", "buffer", "simulator"], ["usage: rollout-buffer simulator"]),
+        (["-m", "buffer", "demo"], ["usage: rollout-buffer demo"]),
+    ],
+)
+def test_every_help_shows_words_and_defaults_never_type_names(argv: list[str], shown: list[str]) -> None:
+    text = program_help(*argv)
+    assert "PydanticUndefined" not in text
+    assert not TYPE_METAVAR.findall(text), TYPE_METAVAR.findall(text)
+    for words in shown:
+        assert words in text
+
+
+def test_the_serve_help_names_each_list_option_s_entries(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = run_main(["--help"], capsys)
+    text = " ".join(out.split())
+    for flag in ("--send-api-key-to HOST", "--allowed-engine-hosts HOST", "--input-roots DIR"):
+        assert flag in text
+    assert "--log-level-for NAME=LEVEL" in text
+    assert "(default: [])" not in text
+
+
+def test_the_simulator_reads_the_service_s_prefix_and_its_former_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from buffer.simulator.cli import parse_config
+
+    monkeypatch.setenv("ROLLOUT_BUFFER_SIM_SEED", "7")
+    monkeypatch.setenv("SIM_LLM_ACCURACY", "0.25")
+    config = parse_config([])
+    assert (config.seed, config.accuracy) == (7, 0.25)
+    monkeypatch.setenv("ROLLOUT_BUFFER_SIM_ACCURACY", "0.5")  # the current prefix wins
+    assert parse_config([]).accuracy == 0.5
+    assert parse_config(["--seed", "null"]).seed is None
+
+
+def test_a_bad_simulator_value_is_one_line_naming_the_flag() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "buffer.simulator", "--engine", "tgi"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr == "python -m buffer.simulator: --engine: Input should be 'vllm' or 'sglang'\n"
+
+
+def test_log_level_for_raises_a_named_logger(capsys: pytest.CaptureFixture[str]) -> None:
+    namespace = cli.parser().parse_args(
+        ["serve", "--log-level-for", "openai=INFO", "--log-level-for", "x.y=debug"]
+    )
+    assert cli.settings_from(namespace).log_levels() == {"openai": "info", "x.y": "debug"}
+    code, _, err = run_main(["--log-level-for", "openai:info"], capsys)
+    assert code == 2
+    assert err.startswith(
+        "rollout-buffer serve: --log-level-for ['openai:info']: Value error, 'openai:info' is "
+    )
+    assert "NAME=LEVEL" in err

@@ -51,7 +51,7 @@ def server(tmp_path: Path, generator_dir: Path) -> Iterator[Start]:
         stop(process)
 
 
-def connect(address: tuple[str, int], timeout_s: float = 5.0) -> socket.socket:
+def connect(address: tuple[str, int], timeout_s: float = 30.0) -> socket.socket:
     sock = socket.create_connection(address, timeout=timeout_s)
     return sock
 
@@ -65,7 +65,7 @@ def answer(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
-def health(address: tuple[str, int], timeout_s: float = 5.0) -> int:
+def health(address: tuple[str, int], timeout_s: float = 30.0) -> int:
     host, port = address
     with httpx.Client(timeout=timeout_s, trust_env=False) as client:
         return client.get(f"http://{host}:{port}/health").status_code
@@ -87,19 +87,22 @@ def test_headers_past_the_limit_get_431_and_the_connection_closes(server: Start)
 
 
 def test_a_connection_that_does_not_finish_its_headers_in_time_is_closed(server: Start) -> None:
-    address = server("--header-timeout-seconds", "1")
-    with connect(address, timeout_s=10) as silent, connect(address, timeout_s=10) as slow:
+    address = server("--header-timeout-seconds", "3")
+    with connect(address) as silent, connect(address) as slow:
         slow.sendall(b"POST /buffer/write HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-        started = time.monotonic()
         for sock in (silent, slow):
-            assert answer(sock) == b""
-        assert time.monotonic() - started < 5
-    # A keep-alive connection gets the same time again for its next request, and no less.
+            assert answer(sock) == b""  # closed: one left open would time out in 30 s, an error
+    # A keep-alive connection gets the same time again for each next request: used for 4 s,
+    # past the 3 s, it is never closed (its port on this side stays the same).
     host, port = address
-    with httpx.Client(base_url=f"http://{host}:{port}", timeout=5, trust_env=False) as client:
-        for _ in range(3):
-            assert client.get("/health").status_code == 200
-            time.sleep(0.6)
+    with httpx.Client(base_url=f"http://{host}:{port}", timeout=30, trust_env=False) as client:
+        ports = set()
+        for _ in range(4):
+            response = client.get("/health")
+            assert response.status_code == 200
+            ports.add(response.extensions["network_stream"].get_extra_info("client_addr"))
+            time.sleep(1.0)
+    assert len(ports) == 1, ports
 
 
 def test_slow_connections_past_the_descriptor_limit_do_not_lock_other_clients_out(server: Start) -> None:
@@ -114,7 +117,7 @@ def test_slow_connections_past_the_descriptor_limit_do_not_lock_other_clients_ou
         assert health(address) == 200
         assert health(address) == 200
         # The oldest slow connections were closed to make room.
-        slow[0].settimeout(5)
+        slow[0].settimeout(30)
         assert answer(slow[0]) == b""
     finally:
         for sock in slow:

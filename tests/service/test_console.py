@@ -33,12 +33,12 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     command = [sys.executable, "buffer.py", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--group-size", "2", "--log-level", "warning", "--generator-dir", str(generators)]
     with started(command, "buffer", directory / "buffer.log") as process:
-        wait_ready(f"http://127.0.0.1:{port}/health", process, 30, "the buffer")
+        wait_ready(f"http://127.0.0.1:{port}/health", process, 60, "the buffer")
         yield f"http://127.0.0.1:{port}"
 
 
 def write(url: str, *items: dict[str, Any]) -> None:
-    response = httpx.post(f"{url}/buffer/write_batch", json=list(items), trust_env=False)
+    response = httpx.post(f"{url}/buffer/write_batch", json=list(items), trust_env=False, timeout=30)
     assert response.status_code == 200, response.text
 
 

@@ -303,14 +303,15 @@ def wait_for_job(
     return result
 
 
-def slime_start_payload(remote_buffer_url: str | None) -> dict[str, Any]:
-    """Exactly what slime's trainer POSTs to /start_rollout: numbers as strings."""
+def slime_start_payload(remote_buffer_url: str | None, engine_url: str, input_file: Path) -> dict[str, Any]:
+    """Exactly what slime's trainer POSTs to /start_rollout: numbers as strings. The start is
+    refused unless the engine answers and the input file exists."""
     payload: dict[str, Any] = {
         "num_process": "100",
         "num_epoch": "3",
-        "remote_engine_url": "http://127.0.0.1:1",
+        "remote_engine_url": engine_url,
         "task_type": "replay",
-        "input_file": "/nonexistent.jsonl",
+        "input_file": str(input_file),
         "num_repeat_per_sample": str(GROUP_SIZE),
         "max_tokens": "512",
         "sampling_params": {"max_tokens": 512, "temperature": 0.8, "top_p": 1.0},
@@ -345,7 +346,10 @@ def test_slime_trainer_round_trip(
     # The trainer may poll before anything exists: a 200 saying there is nothing.
     assert_nothing_ready(client, service.url)
 
-    payload = slime_start_payload(service.url if send_buffer_url else None)
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text('{"prompt": "1 + 1?", "label": "2"}\n')
+    # The replay generator calls no engine: any address that answers /health will do.
+    payload = slime_start_payload(service.url if send_buffer_url else None, service.url, rows)
     started = client.post(f"{service.url}/start_rollout", json=payload)
     assert started.status_code == 200, started.text
     first = started.json()
@@ -360,7 +364,7 @@ def test_slime_trainer_round_trip(
     assert received["remote_buffer_url"] == service.url
     assert received["num_repeat_per_sample"] == GROUP_SIZE
     assert received["task_type"] == "replay"
-    assert received["input_file"] == "/nonexistent.jsonl"
+    assert received["input_file"] == str(rows.resolve())
     assert received["sampling_params"] == payload["sampling_params"]
 
     # Starting the running task again answers with the running job, not a second one.

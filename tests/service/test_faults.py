@@ -54,6 +54,7 @@ def run_rollout(data):
 HANGS_ASYNC = """
 import asyncio
 TASK_TYPE = "hang"
+START_ROLLOUT_FIELDS = ('release',)
 
 async def run_rollout(data):
     await asyncio.Event().wait()
@@ -61,6 +62,7 @@ async def run_rollout(data):
 HANGS_SYNC = """
 import pathlib, time
 TASK_TYPE = "hang"
+START_ROLLOUT_FIELDS = ('release',)
 
 def run_rollout(data):
     while not pathlib.Path(data["release"]).exists():
@@ -207,13 +209,13 @@ async def run_rollout(data):
     try:
         await asyncio.Event().wait()
     except asyncio.CancelledError:
-        await asyncio.sleep(2)
+        await asyncio.sleep(60)
 """
 
 
 def test_cancelling_a_generator_that_ignores_cancellation_does_not_hang(
-    make_client: Callable[..., TestClient], generator_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    monkeypatch: pytest.MonkeyPatch, make_client: Callable[..., TestClient], generator_dir: Path
+) -> None:  # monkeypatch first: undone last, after the service's shutdown has cancelled its job
     monkeypatch.setattr("buffer.service.jobs.CANCEL_WAIT_S", 0.2)
     write_generator(generator_dir, "stubborn_generator.py", IGNORES_CANCEL)
     client = make_client()
@@ -222,7 +224,7 @@ def test_cancelling_a_generator_that_ignores_cancellation_does_not_hang(
     started = time.monotonic()
     cancelled = client.post(f"/jobs/{job_id}/cancel")
     assert cancelled.status_code == 200
-    assert time.monotonic() - started < 1.5  # not the 2 s the generator takes to give up
+    assert time.monotonic() - started < 30  # not the minute the generator takes to give up
     assert job_status(client, job_id) == "cancelled"
     restarted = client.post("/start_rollout", json={"task_type": "stubborn"}).json()
     assert restarted["job_id"] != job_id  # the task is free to start again

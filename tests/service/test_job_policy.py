@@ -23,6 +23,7 @@ RECORDER = """
 import json, os
 
 TASK_TYPE = "recorder"
+START_ROLLOUT_FIELDS = ("out", "reward_model_url", "reward_model_urls")
 
 def run_rollout(data):
     with open(data["out"] + ".tmp", "w") as out:
@@ -41,7 +42,7 @@ def start(
     def post(payload: dict[str, object], **settings: object) -> tuple[int, dict[str, object]]:
         key = repr(sorted(settings.items()))
         if key not in clients:
-            clients[key] = make_client(**settings)
+            clients[key] = make_client(**{"check_engines": False, **settings})  # no engine runs
         body = {"task_type": "recorder", "restart": True, "out": str(tmp_path / "out.json"), **payload}
         response = clients[key].post("/start_rollout", json=body)
         return response.status_code, response.json()
@@ -72,7 +73,9 @@ def test_an_input_file_outside_the_roots_is_refused_naming_the_field(
         assert "input roots" in str(answer["message"])
     status, answer = start({"input_file": str(roots / "rows.jsonl")}, **allowed)
     assert status == 200, answer
-    assert start({"input_file": str(roots / "missing.jsonl")}, **allowed)[0] == 200  # the generator says
+    status, answer = start({"input_file": str(roots / "missing.jsonl")}, **allowed)
+    assert (status, refused(answer)) == (422, ["input_file"])  # before the trainer is told it started
+    assert "no such file" in str(answer["message"])
 
 
 def test_a_device_file_is_refused_even_under_a_root(
@@ -158,6 +161,7 @@ import json
 from buffer.toolkit.sink import open_sink
 
 TASK_TYPE = "key_probe"
+START_ROLLOUT_FIELDS = ('out',)
 
 async def run_rollout(data):
     sink = await open_sink(data["remote_buffer_url"], api_key=data.get("buffer_api_key"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 import subprocess
@@ -29,7 +28,7 @@ from buffer.service.jobs import MAX_WORKER_RESTARTS, JobManager, JobStatus
 from buffer.service.settings import Settings
 from buffer.workers.process import WorkerOutcome
 from buffer.workers.spec import WorkerSpec
-from tests.support.calls import wait_for
+from tests.support.calls import until, wait_for
 from tests.support.factories import trajectory
 from tests.support.paths import REPO
 
@@ -40,6 +39,7 @@ RECORDER = """
 import asyncio, json
 
 TASK_TYPE = "recorder"
+START_ROLLOUT_FIELDS = ('out',)
 
 async def run_rollout(data):
     with open(data["out"], "w") as out:
@@ -86,7 +86,12 @@ def test_a_resumed_job_is_told_what_its_earlier_run_made(generator_dir: Path, tm
         write(client, "d", [0, 1, 2])
     with service(generator_dir, tmp_path / "data"):
         resumed = json.loads(out.read_text())["resume"]
-        assert resumed == {"finished_groups": [["d", 1]], "open_groups": [["c", [2, 0]]]}
+        assert resumed == {
+            "finished_groups": [["d", 1]],
+            "open_groups": [["c", [2, 0]]],
+            "finished_epochs": [["d", 0, 1]],  # its trajectories say their epoch
+            "open_epochs": [["c", 0]],
+        }
 
 
 @pytest.mark.anyio
@@ -223,13 +228,13 @@ def test_a_generator_that_kills_the_service_is_failed_after_two_crashes(
     inline = ("--job-isolation", "inline")
     with buffer_process(port, data_dir, generator_dir, log, *inline) as (process, url):
         wait_ready(f"{url}/health", process, 60, "the buffer")
-        assert httpx.post(f"{url}/start_rollout", json={"task_type": "killer"}).status_code == 200
+        assert httpx.post(f"{url}/start_rollout", json={"task_type": "killer"}, timeout=30).status_code == 200
         assert process.wait(timeout=30) == -signal.SIGKILL
     with buffer_process(port, data_dir, generator_dir, log, *inline) as (process, url):  # resumed once
         assert process.wait(timeout=30) == -signal.SIGKILL
     with buffer_process(port, data_dir, generator_dir, log, *inline) as (process, url):
         wait_ready(f"{url}/health", process, 60, "the buffer")
-        (job,) = httpx.get(f"{url}/jobs").json()["data"]["jobs"]
+        (job,) = httpx.get(f"{url}/jobs", timeout=30).json()["data"]["jobs"]
         assert job["status"] == "failed"
         assert "2 times in a row" in job["error"]
         time.sleep(1.5)  # longer than the generator waits before it kills
@@ -245,9 +250,12 @@ def test_in_a_worker_process_a_generator_that_kills_itself_fails_only_its_job(
     port, data_dir, log = free_port(), tmp_path / "data", tmp_path / "buffer.log"
     with buffer_process(port, data_dir, generator_dir, log, "--worker-grace-s", "1") as (process, url):
         wait_ready(f"{url}/health", process, 60, "the buffer")
-        job = httpx.post(f"{url}/start_rollout", json={"task_type": "killer"}).json()["job"]
+        job = httpx.post(f"{url}/start_rollout", json={"task_type": "killer"}, timeout=30).json()["job"]
         done = wait_for(
-            lambda: (j := httpx.get(f"{url}/jobs/{job['id']}").json()["data"])["status"] != "running" and j,
+            lambda: (
+                (j := httpx.get(f"{url}/jobs/{job['id']}", timeout=30).json()["data"])["status"] != "running"
+                and j
+            ),
             60,
             "the job",
         )
@@ -259,7 +267,9 @@ def test_in_a_worker_process_a_generator_that_kills_itself_fails_only_its_job(
 
 class _LostWorker:
     """A worker process stand-in: index 0 is killed (SIGKILL) at once, every time; the others
-    succeed a moment later."""
+    succeed once it has been lost past its replacements."""
+
+    losses = 0
 
     def __init__(self, spec: WorkerSpec, env: dict[str, str] | None = None) -> None:
         self.spec = spec
@@ -271,9 +281,10 @@ class _LostWorker:
 
     async def wait(self) -> WorkerOutcome:
         if self.spec.index == 0:
+            _LostWorker.losses += 1
             self.outcome = WorkerOutcome("failed", -9, "the worker process was killed by SIGKILL", lost=True)
         else:
-            await asyncio.sleep(0.3)
+            await until(lambda: _LostWorker.losses > MAX_WORKER_RESTARTS, what="the last loss")
             self.outcome = WorkerOutcome("succeeded", 0)
         return self.outcome
 
@@ -295,6 +306,7 @@ async def test_a_worker_lost_past_its_replacements_leaves_the_work_to_the_others
     """Each loss is replaced, twice at most; then the others finish the job (their leases take
     its items), or, with none left, the job fails with what happened."""
     monkeypatch.setattr(jobs_module, "WorkerProcess", _LostWorker)
+    monkeypatch.setattr(_LostWorker, "losses", 0)
     monkeypatch.setattr(jobs_module, "RELEASE_SETTLE_S", 0.0)
     manager = JobManager(RolloutBuffer(), "http://127.0.0.1:8889")
     generator = Generator("t", Path("t_generator.py"), ModuleType("t"), lambda data: None, Hooks())

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -14,24 +15,28 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from starlette.types import Message, Receive, Scope, Send
 
-from buffer.logs import CHATTY_LOGGERS, UVICORN_LOGGERS, RequestIdMiddleware, configure_logging, request_id
+from buffer.logs import OWN_LOGGERS, RequestIdMiddleware, configure_logging, request_id
+from buffer.service.app import create_app
+from buffer.service.settings import Settings
+from tests.support.calls import wait_for
 
 logger = logging.getLogger("buffer.test_logs")
+
+
+#: Loggers the tests log through or configure: put back as they were after each test.
+TOUCHED = (*OWN_LOGGERS, "httpx", "httpcore", "openai", "aiohttp", "httpx2", "httpx2.client", "sympy")
 
 
 @pytest.fixture
 def log_stream() -> Iterator[io.StringIO]:
     """Logging configured to a StringIO; the loggers it touches are put back afterwards."""
     root = logging.getLogger()
-    names = (*CHATTY_LOGGERS, *UVICORN_LOGGERS)
-    saved = {name: (logging.getLogger(name).level, logging.getLogger(name).propagate) for name in names}
-    saved_handlers = {name: logging.getLogger(name).handlers[:] for name in names}
-    root_level = root.level
+    saved = {name: (logging.getLogger(name).level, logging.getLogger(name).propagate) for name in TOUCHED}
+    saved_handlers = {name: logging.getLogger(name).handlers[:] for name in TOUCHED}
+    root_level, root_handlers = root.level, root.handlers[:]
     stream = io.StringIO()
     yield stream
-    for handler in root.handlers[:]:
-        if isinstance(handler, logging.StreamHandler) and handler.stream is stream:
-            root.removeHandler(handler)
+    root.handlers[:] = root_handlers
     root.setLevel(root_level)
     for name, (level, propagate) in saved.items():
         named = logging.getLogger(name)
@@ -155,14 +160,48 @@ def test_uvicorn_and_httpx_loggers(log_stream: io.StringIO) -> None:
     assert logging.getLogger("uvicorn.access").handlers == []
 
 
-@pytest.mark.parametrize("name", ["openai", "aiohttp", "httpcore"])
-def test_the_http_clients_say_only_their_warnings_by_default(log_stream: io.StringIO, name: str) -> None:
-    """The OpenAI SDK and aiohttp log a line per engine request: a flood at a generator's rate."""
+@pytest.mark.parametrize("name", ["openai", "aiohttp", "httpcore", "httpx2.client", "sympy"])
+def test_every_library_says_only_its_warnings_by_default(log_stream: io.StringIO, name: str) -> None:
+    """The OpenAI SDK and aiohttp log a line per engine request: a flood at a generator's rate.
+    No list of them: a library nobody named (``httpx2``) is quiet too."""
     configure_logging("info", "text", stream=log_stream)
     logging.getLogger(name).info("HTTP Request: POST http://llm/v1/chat/completions")
     logging.getLogger(name).warning("Retrying request")
     lines = log_stream.getvalue().splitlines()
     assert [line.split(" ", 2)[2] for line in lines] == [f"WARNING {name}: Retrying request"]
+
+
+@pytest.mark.parametrize("name", ["buffer.service.jobs", "generator.math", "default_func", "uvicorn.error"])
+def test_the_service_s_own_loggers_log_at_the_level_asked(log_stream: io.StringIO, name: str) -> None:
+    configure_logging("debug", "text", stream=log_stream)
+    logging.getLogger(name).debug("in detail")
+    logging.getLogger("httpx").debug("not this")
+    logging.getLogger("httpx").info("nor this")
+    assert [line.split(" ", 2)[2] for line in log_stream.getvalue().splitlines()] == [
+        f"DEBUG   {name}: in detail"
+    ]
+
+
+def test_a_named_logger_gets_its_own_level(log_stream: io.StringIO) -> None:
+    configure_logging("info", "text", stream=log_stream, levels={"httpx2": "info", "buffer.core": "warning"})
+    logging.getLogger("httpx2.client").info("asked for")
+    logging.getLogger("httpx").info("not asked for")
+    logging.getLogger("buffer.core.task").info("quietened")
+    logging.getLogger("buffer.service").info("the rest of the service")
+    assert [line.split(" ", 2)[2] for line in log_stream.getvalue().splitlines()] == [
+        "INFO    httpx2.client: asked for",
+        "INFO    buffer.service: the rest of the service",
+    ]
+
+
+def test_a_stricter_level_than_warning_holds_for_libraries_too(log_stream: io.StringIO) -> None:
+    configure_logging("error", "text", stream=log_stream)
+    logging.getLogger("openai").warning("a library's warning")
+    logging.getLogger("buffer.service").warning("the service's warning")
+    logging.getLogger("openai").error("a library's error")
+    assert [line.split(" ", 2)[2] for line in log_stream.getvalue().splitlines()] == [
+        "ERROR   openai: a library's error"
+    ]
 
 
 def test_configuring_again_does_not_duplicate_lines(log_stream: io.StringIO) -> None:
@@ -222,3 +261,34 @@ def test_a_library_s_private_record_attributes_stay_out_of_json_lines(log_stream
         logging.setLogRecordFactory(make_record)
     (line,) = (orjson.loads(line) for line in log_stream.getvalue().splitlines())
     assert set(line) == {"time", "level", "logger", "message", "task_type"}
+
+
+JOB_CONTEXT = """
+import asyncio, json
+from buffer.logs import request_id
+
+TASK_TYPE = "context"
+START_ROLLOUT_FIELDS = ("out",)
+
+async def run_rollout(data):
+    with open(data["out"], "w") as out:
+        json.dump({"request_id": request_id.get()}, out)
+    await asyncio.Event().wait()
+"""
+
+
+def test_a_jobs_lines_do_not_carry_the_id_of_the_request_that_started_it(tmp_path: Path) -> None:
+    generators = tmp_path / "generator"
+    generators.mkdir()
+    (generators / "context_generator.py").write_text(JOB_CONTEXT)
+    out = tmp_path / "out.json"
+    settings = Settings(generator_dir=generators, job_isolation="inline", group_size=2)
+    with TestClient(create_app(settings)) as client:
+        answer = client.post(
+            "/start_rollout",
+            json={"task_type": "context", "out": str(out)},
+            headers={"X-Request-ID": "start-1"},
+        )
+        assert answer.status_code == 200, answer.text
+        wait_for(out.exists, 30, "the generator running")
+    assert orjson.loads(out.read_bytes()) == {"request_id": None}

@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
+from buffer.demo import closing_line
+from buffer.service.jobs import Job
 from buffer.toolkit.runner import Progress
 from buffer.toolkit.types import Completion, TokenCapture
+from buffer.workers.process import WorkerOutcome
 from tests.support.calls import WAITING, job_status, read, wait_for, write_all
 from tests.support.factories import group, write_generator
+from tests.support.paths import REPO
 
 Labels = tuple[tuple[str, str], ...]
+DASHBOARD = REPO / "docs" / "grafana" / "rollout-buffer.json"
 
 
 def scrape(client: TestClient) -> dict[tuple[str, Labels], float]:
@@ -203,3 +212,122 @@ def test_progress_counts_finish_reasons_and_answer_lengths() -> None:
     snapshot = progress.snapshot()
     assert snapshot["finish_reasons"] == {"stop": 1, "length": 2}
     assert (snapshot["response_tokens_count"], snapshot["response_tokens_sum"]) == (2, 10)
+
+
+GRADED_GENERATOR = """
+from buffer.toolkit import run_rollouts
+
+TASK_TYPE = "graded"
+
+def reward(sample, episode):
+    # Rows marked "graded" score by repeat (their groups are kept), the others all 0 (discarded).
+    return float(sample.repeat) if sample.row.get("graded") else 0.0
+
+async def run_rollout(data):
+    await run_rollouts(data, reward=reward)
+"""
+
+
+def dashboard_metrics() -> set[str]:
+    """The sample names the Grafana dashboard's queries read."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    expressions = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    return {name for expr in expressions for name in re.findall(r"\brollout_buffer_[a-z_]+", expr)}
+
+
+def nonzero(samples: dict[tuple[str, Labels], float]) -> set[str]:
+    return {name for (name, _), sample in samples.items() if sample}
+
+
+def test_every_dashboard_metric_has_a_nonzero_sample_from_a_job_in_worker_processes(
+    process: Callable[..., str], tmp_path: Path
+) -> None:
+    """The default isolation (worker processes, two of them): each metric a dashboard query
+    reads, by name, has a sample that is not 0 once the job has made trajectories (the LLM
+    figures come from the workers' reports), and its last counts survive its stop."""
+    generators = tmp_path / "generator"
+    generators.mkdir()
+    write_generator(generators, "graded_generator.py", GRADED_GENERATOR)
+    data = tmp_path / "d.jsonl"
+    rows = [{"prompt": f"What is {n} + {n}?", "label": str(2 * n), "graded": n % 2 == 0} for n in range(4)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    engine = process(
+        "-m", "buffer.simulator", "--latency-mean-s", "0.01", "--error-rate", "0.2",
+        "--seed", "0", "--log-level", "warning", name="simulator",
+    )  # fmt: skip
+    url = process(
+        "-m", "buffer", "--generator-dir", str(generators), "--group-size", "2",
+        "--input-roots", str(tmp_path), "--log-level", "warning", name="service",
+    )  # fmt: skip
+    with httpx.Client(base_url=url, trust_env=False, timeout=30) as client:
+        payload = {
+            "task_type": "graded",
+            "input_file": str(data),
+            "remote_engine_url": engine,
+            "num_repeat_per_sample": 2,
+            "num_epoch": 100_000,  # runs until cancelled
+            "num_process": 4,
+            "num_workers": 2,
+        }
+        started = client.post("/start_rollout", json=payload)
+        assert started.status_code == 200, started.text
+        job_id = started.json()["job_id"]
+        wanted = dashboard_metrics()
+        assert len(wanted) >= 15
+
+        def missing() -> set[str]:
+            client.post("/get_rollout_data", json={"batch_size": 2})  # delivered groups, their age
+            return wanted - nonzero(scrape(client))
+
+        wait_for(lambda: not missing(), timeout_s=120, what="every dashboard metric nonzero")
+
+        line = closing_line(client, job_id)  # the demo's: it stops the job first
+        job = client.get(f"/jobs/{job_id}").json()["data"]
+        assert job["status"] == "cancelled"
+        written, completed = job["counters"]["written"], job["progress"]["completed"]
+        assert line.startswith(f"generator: {completed} trajectories ({written} written)")
+        # Its workers' last reports (failed trajectories are written too, with FAILURE_REWARD);
+        # a write the stop cut short may have reached the buffer uncounted: 4 in flight at most.
+        assert 0 < completed <= written <= completed + 4
+        assert value(scrape(client), "generator_trajectories_completed_total", task="graded") == completed
+
+        # A job that ends by itself: its last counts are exactly what it wrote.
+        finite = client.post("/start_rollout", json={**payload, "num_epoch": 1, "restart": True}).json()
+        wait_for(lambda: client.get(f"/jobs/{finite['job_id']}").json()["data"]["status"] != "running", 120)
+        job = client.get(f"/jobs/{finite['job_id']}").json()["data"]
+        assert job["status"] == "succeeded", job
+        assert job["progress"]["completed"] == job["counters"]["written"] == 4 * 2
+        total = value(scrape(client), "generator_trajectories_completed_total", task="graded")
+        assert total == completed + 4 * 2
+
+
+def test_a_jobs_progress_adds_up_its_workers_reports_counts_by_name_included() -> None:
+    """What /jobs and /metrics read of a job with workers: their reports added up, the finish
+    reasons and latency buckets by name; a replaced worker's counts stay, not its rate."""
+    running = {
+        "completed": 3,
+        "trajectories_per_s": 2.0,
+        "elapsed_s": 5.0,
+        "finish_reasons": {"stop": 2, "length": 1},
+        "latency_s_buckets": {"0.1": 1, "+Inf": 3},
+    }
+    replaced = {
+        "completed": 4,
+        "trajectories_per_s": 9.0,
+        "elapsed_s": 7.0,
+        "finish_reasons": {"stop": 4},
+        "latency_s_buckets": {"0.1": 4, "+Inf": 4},
+    }
+    job = Job(id="job-1", task_type="t", generator_file="t_generator.py", data={}, buffer_url="http://x")
+    job.workers = [
+        cast(Any, SimpleNamespace(outcome=WorkerOutcome("failed", -9, lost=True), progress=lambda: replaced)),
+        cast(Any, SimpleNamespace(outcome=None, progress=lambda: running)),
+    ]
+    assert job.reported_progress() == {
+        "completed": 7,
+        "trajectories_per_s": 2.0,
+        "elapsed_s": 7.0,
+        "finish_reasons": {"stop": 6, "length": 1},
+        "latency_s_buckets": {"0.1": 5, "+Inf": 7},
+    }
+    assert replaced["finish_reasons"] == {"stop": 4}  # the reports themselves are left as they were

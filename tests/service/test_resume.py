@@ -34,6 +34,7 @@ RECORDER = """
 import asyncio, json
 
 TASK_TYPE = "recorder"
+START_ROLLOUT_FIELDS = ('out',)
 
 async def run_rollout(data):
     with open(data["out"], "w") as out:
@@ -44,6 +45,7 @@ async def run_rollout(data):
 # Raises at once: a job that ends unfinished.
 FAILING = """
 TASK_TYPE = "recorder"
+START_ROLLOUT_FIELDS = ("out",)
 
 def run_rollout(data):
     raise RuntimeError("the engine went away")
@@ -214,6 +216,7 @@ from pathlib import Path
 from buffer.toolkit import run_rollouts
 
 TASK_TYPE = "flaky"
+START_ROLLOUT_FIELDS = ('control',)
 
 async def run_rollout(data):
     left = [int(Path(data["control"]).read_text())]

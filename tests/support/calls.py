@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,7 @@ def read(client: TestClient, body: Any = None) -> dict[str, Any]:
 
 
 def wait_for(
-    condition: Callable[[], Any], timeout_s: float = 10.0, what: str = "condition", interval_s: float = 0.02
+    condition: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition", interval_s: float = 0.02
 ) -> Any:
     """``condition()``'s first true value, checked every ``interval_s`` for up to ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -37,6 +38,20 @@ def wait_for(
     raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
 
 
+async def until(
+    condition: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition", interval_s: float = 0.01
+) -> Any:
+    """``wait_for`` inside an event loop: ``condition()``'s first true value, checked every
+    ``interval_s`` for up to ``timeout_s`` while the loop runs the rest."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        await asyncio.sleep(interval_s)
+    raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
+
+
 def job_status(client: TestClient, job_id: str) -> str:
     status: str = client.get(f"/jobs/{job_id}").json()["data"]["status"]
     return status
@@ -45,6 +60,7 @@ def job_status(client: TestClient, job_id: str) -> str:
 RECORDING = """
 import json, pathlib, threading
 TASK_TYPE = "{task}"
+START_ROLLOUT_FIELDS = ('record_to',)
 
 def run_rollout(data):
     record = dict(data, thread=threading.current_thread().name)

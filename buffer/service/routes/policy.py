@@ -29,10 +29,11 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from buffer.policy.admission import Admission
 from buffer.policy.state import Policy
 from buffer.service.engine_pause import Action, EngineAnswer, tell_engines
 from buffer.service.responses import envelope
-from buffer.service.services import Services, services
+from buffer.service.services import Services, Stopping, services
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,16 @@ class VersionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     version: Version
+    rollout_batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=2**31 - 1,
+        description="the groups the trainer reads a step: what admission sizes generation by under "
+        "max_staleness (absent: as declared at /start_rollout, else the trainer's largest read)",
+    )
+    task_type: Annotated[str, Field(min_length=1)] | None = Field(
+        None, description="the task rollout_batch_size is for (absent: every task)"
+    )
 
 
 class PauseRequest(BaseModel):
@@ -102,7 +113,10 @@ async def get_policy(policy: Annotated[Policy, Depends(_policy)]) -> Response:
 
 @_version_routes.post("/policy")
 async def set_policy(body: VersionRequest, policy: Annotated[Policy, Depends(_policy)]) -> Response:
-    """The engines now serve ``version``; a lower one than the current is refused (409)."""
+    """The engines now serve ``version``; a lower one than the current is refused (409).
+    ``rollout_batch_size``: the trainer's batch, in groups (admission under ``max_staleness``)."""
+    if body.rollout_batch_size is not None:
+        policy.declare_batch(body.rollout_batch_size, body.task_type)
     policy.set_version(body.version)
     return envelope(True, f"Policy version {policy.version}", _state(policy))
 
@@ -124,11 +138,12 @@ async def pause(
     if body.mode == "abort":
         # Workers' gates closed first: what the engines abort is then held there until the
         # resume, not continued at once into the paused engines.
-        await policy.closed(body.timeout_s)
+        await svc.stopping.unless(policy.closed(body.timeout_s))
         answers = await _tell(policy, "pause")
     failed = [answer for answer in answers if not answer.ok]
-    # Engines that were not told keep generating: nothing drains them, so the answer is at once.
-    drained = False if failed else await policy.drained(body.timeout_s)
+    # Engines that were not told keep generating: nothing drains them, so the answer is at
+    # once; and once the service stops, with what is drained by then.
+    drained = False if failed else bool(await svc.stopping.unless(policy.drained(body.timeout_s)))
     state = {
         **_state(policy),
         "mode": body.mode,
@@ -185,7 +200,7 @@ def _state(policy: Policy) -> dict[str, Any]:
 @router.get("/policy/watch")
 async def watch(
     request: Request,
-    policy: Annotated[Policy, Depends(_policy)],
+    svc: Annotated[Services, Depends(services)],
     version: int | None = None,
     paused: bool = False,
     wait_s: Annotated[float, Query(ge=0, le=60)] = 30.0,
@@ -199,18 +214,26 @@ async def watch(
     long-polls this to mirror the gate. A ``worker`` (a name of its own) says at each watch
     what its gate holds: ``in_flight`` engine requests past it, closed for pause ``pause`` when
     ``paused`` (``report`` counts its watches, so an overtaken one is ignored); the pause's
-    drain waits for it while it watches, and ``WORKER_GRACE_S`` after its watch ends."""
+    drain waits for it while it watches, and ``WORKER_GRACE_S`` after its watch ends. When
+    the service stops, it answers at once."""
+    policy = svc.buffer.policy
     if worker is not None:
         policy.watch_begins(worker, report, pause if paused else None, in_flight)
     try:
-        return await _watch(request, policy, version, paused, wait_s, pause)
+        return await _watch(request, policy, version, paused, wait_s, pause, svc.stopping)
     finally:
         if worker is not None:
             policy.watch_ends(worker)
 
 
 async def _watch(
-    request: Request, policy: Policy, version: int | None, paused: bool, wait_s: float, pause: int | None
+    request: Request,
+    policy: Policy,
+    version: int | None,
+    paused: bool,
+    wait_s: float,
+    pause: int | None,
+    stopping: Stopping,
 ) -> Response:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
@@ -219,7 +242,7 @@ async def _watch(
         state = policy.state()
         left = deadline - loop.time()
         moved = pause is not None and pause != policy.pauses
-        if moved or state != {"version": version, "paused": paused} or left <= 0:
+        if moved or state != {"version": version, "paused": paused} or left <= 0 or stopping.is_set():
             ticket.cancel()
             return envelope(True, "Policy", {**state, "pause": policy.pauses})
         await ticket.wait(min(left, 1.0))
@@ -232,20 +255,43 @@ class AdmitRequest(BaseModel):
 
     task_type: Annotated[str, Field(min_length=1)]
     wait_s: float = Field(30.0, ge=0, le=60, description="wait up to this long for room")
+    admit: bool = Field(True, description="false: only report cancelled_stale")
+    worker: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+        None, description="the generator's own name (its policy watch's)"
+    )
+    cancelled_stale: int = Field(
+        0,
+        ge=0,
+        le=2**63 - 1,
+        description="groups this worker has cancelled in flight as stale so far, nothing of them written",
+    )
 
 
 @router.post("/policy/admit")
-async def admit(body: AdmitRequest, policy: Annotated[Policy, Depends(_policy)]) -> Response:
+async def admit(body: AdmitRequest, svc: Annotated[Services, Depends(services)]) -> Response:
     """Admit one group of the task's generator, waiting up to ``wait_s`` for room (the
-    staleness bound). ``bounded: false``: the task has no admission, never ask again."""
-    admission = policy.admission(body.task_type)
+    staleness bound; not once the service stops). ``bounded: false``: the task has no
+    admission, never ask again. A ``worker`` reports the groups it cancelled as stale
+    (``cancelled_stale``, its total so far): they stop counting against the bound."""
+    admission = svc.buffer.policy.admission(body.task_type)
+    if admission is not None and body.worker is not None and body.cancelled_stale:
+        admission.report_cancelled(body.worker, body.cancelled_stale)
+    if not body.admit:
+        return envelope(True, "Reported", {"admitted": False, "reported": admission is not None})
     if admission is None or admission.capacity is None:
         if admission is not None:
             admission.try_admit()
         return envelope(True, "Admitted", {"admitted": True, "bounded": False})
-    try:
-        if not admission.try_admit():
-            await asyncio.wait_for(admission.admit(), body.wait_s)
-    except TimeoutError:
-        return envelope(True, "No room yet", {"admitted": False, "bounded": True})
+    if not admission.try_admit():
+        admitted = await svc.stopping.unless(_admitted_within(admission, body.wait_s))
+        if not admitted:
+            return envelope(True, "No room yet", {"admitted": False, "bounded": True})
     return envelope(True, "Admitted", {"admitted": True, "bounded": True})
+
+
+async def _admitted_within(admission: Admission, wait_s: float) -> bool:
+    try:
+        await asyncio.wait_for(admission.admit(), wait_s)
+    except TimeoutError:
+        return False
+    return True

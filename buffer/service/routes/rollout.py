@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends
@@ -12,12 +13,12 @@ from starlette.responses import Response
 from buffer.core.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE
 from buffer.core.registry import Generator
 from buffer.core.task import TaskSettings
-from buffer.policy.fields import check_start_fields
-from buffer.policy.state import register_policy, set_current_policy
-from buffer.service.jobs import JOB_FIELDS
+from buffer.service.engine_check import engine_urls, unreachable
+from buffer.service.jobs import Job
 from buffer.service.models import GetRolloutDataRequest, StartRolloutRequest, check_storable
 from buffer.service.responses import items_response, json_response
 from buffer.service.services import Services, local_url, services
+from buffer.service.start_fields import check_start_fields
 
 router = APIRouter()
 
@@ -26,15 +27,18 @@ router = APIRouter()
 async def start_rollout(body: StartRolloutRequest, svc: Annotated[Services, Depends(services)]) -> Response:
     """Start the task's generator in the background; buffered data is never dropped.
 
-    A task already running answers with its running job unless the payload says
-    ``"restart": true``. A task whose last job, of this generator and plan, did not finish
-    (failed, cancelled, not resumed after a crash) gets a job that makes only what that one did
-    not; ``"restart": true`` makes the whole plan again.
+    Refused before anything starts: a field the generator does not take (422, with the closest
+    known name), an ``input_file`` that cannot be read (422), engines of which none answers
+    (503 naming ``remote_engine_url``). A task already running answers 200 with its running job
+    when the payload is the one it runs with (``skip_instance_ids`` aside), 409 naming the fields
+    that differ otherwise, unless the payload says ``"restart": true``. A task whose last job, of
+    this generator and plan, did not finish (failed, cancelled, not resumed after a crash) gets
+    a job that makes only what that one did not; ``"restart": true`` makes the whole plan again.
     """
     check_storable(body)  # before anything starts: the job's data is journaled as it came
     await asyncio.to_thread(svc.registry.refresh)  # pick up new and edited generator files
     generator = svc.registry.get(body.task_type)
-    check_start_fields(body.model_extra or {}, generator.module, _toolkit_fields())
+    check_start_fields(body, generator)
     name = body.rollout_name or body.task_type
     async with svc.jobs.lock(name):
         return await _start(body, generator, name, svc)
@@ -42,51 +46,82 @@ async def start_rollout(body: StartRolloutRequest, svc: Annotated[Services, Depe
 
 async def _start(body: StartRolloutRequest, generator: Generator, name: str, svc: Services) -> Response:
     running = svc.jobs.running(name)
-    if running is None or body.restart:
-        settings = body.task_settings(svc.settings.default_task_settings())
-        data = await svc.jobs.check(_generator_data(body, name, settings, local_url(svc.settings)))
-        if running is not None:
-            await svc.jobs.cancel(running.id)
-        if body.evaluation:
-            svc.buffer.configure_task(name, settings, EVALUATION_HOOKS, hooks_source=EVALUATION_SOURCE)
-        else:
-            svc.buffer.configure_task(name, settings, generator.hooks, hooks_source=body.task_type)
-        await svc.buffer.wait_durable()
-        _start_admission(svc, name, settings, body)
-        job = svc.jobs.start(generator, data, name=name, restart=body.restart)
-        message = "Rollout started"
+    settings = body.task_settings(svc.settings.default_task_settings())
+    data = await svc.jobs.check(_generator_data(body, name, settings, local_url(svc.settings)))
+    if running is not None and not body.restart:
+        return _already_running(running, data, svc)
+    urls = engine_urls(data.get("remote_engine_url")) if svc.jobs.engines_checked(data) else []
+    dead = await unreachable(urls) if urls else {}
+    if urls and len(dead) == len(urls):
+        reasons = "; ".join(f"{url}: {error}" for url, error in dead.items())
+        return json_response(
+            {
+                "success": False,
+                "message": f"remote_engine_url: no engine answers ({reasons}); nothing was started",
+                "errors": [{"field": "remote_engine_url", "reason": f"no engine answers: {reasons}"}],
+            },
+            status_code=503,
+            headers={"Retry-After": "5"},
+        )
+    if running is not None:
+        await svc.jobs.cancel(running.id)
+    if body.evaluation:
+        svc.buffer.configure_task(name, settings, EVALUATION_HOOKS, hooks_source=EVALUATION_SOURCE)
     else:
-        job, message = running, "Rollout already running"
+        svc.buffer.configure_task(name, settings, generator.hooks, hooks_source=body.task_type)
+    await svc.buffer.wait_durable()
+    job = svc.jobs.start(generator, data, name=name, restart=body.restart)
+    return _started(svc, job, "Rollout started")
+
+
+def _started(svc: Services, job: Job, message: str, **extra: Any) -> Response:
     return json_response(
         {
             "success": True,
             "message": message,
-            "task_type": name,
+            "task_type": job.task_type,
             "job_id": job.id,
             "job": svc.jobs.describe(job),
+            **extra,
         }
     )
 
 
-def _toolkit_fields() -> frozenset[str]:
-    from buffer.toolkit.runner import RolloutSettings  # the toolkit is loaded with the first job
+#: What a job's data holds that no client sets the same twice: the service's own additions, and
+#: the finished groups a trainer resumed from a checkpoint sends (the running job has its own plan).
+_NOT_COMPARED = frozenset({"resume", "leases", "worker", "skip_instance_ids"})
 
-    return frozenset(RolloutSettings.model_fields) | JOB_FIELDS
 
-
-def _start_admission(svc: Services, name: str, settings: TaskSettings, body: StartRolloutRequest) -> None:
-    """Let the job's generator find the buffer's policy, and count its admissions from now."""
-    policy = svc.buffer.policy
-    register_policy(local_url(svc.settings), policy)
-    set_current_policy(policy)  # the job's task is created in this context
-    policy.gate.reset_stats()
-    in_flight = body.num_process or 100
-    policy.start_admission(
-        name,
-        settings.max_staleness,
-        -(-in_flight // max(1, settings.group_size)),
-        lambda: svc.buffer.consumed_groups(name),
+def _already_running(running: Job, data: dict[str, Any], svc: Services) -> Response:
+    """The same payload again: the running job (idempotent). Another: 409 naming what differs."""
+    differs = sorted(
+        name
+        for name in (data.keys() | running.data.keys()) - _NOT_COMPARED
+        if _canonical(data.get(name)) != _canonical(running.data.get(name))
     )
+    if differs:
+        return json_response(
+            {
+                "success": False,
+                "message": (
+                    f"the {running.task_type} rollout is already running ({running.id}) with other "
+                    f'values of {", ".join(differs)}: send "restart": true to replace it, or '
+                    "wait for it to end"
+                ),
+                "differs": differs,
+                "task_type": running.task_type,
+                "job_id": running.id,
+            },
+            status_code=409,
+        )
+    extra: dict[str, Any] = {}
+    if _canonical(data.get("skip_instance_ids")) != _canonical(running.data.get("skip_instance_ids")):
+        extra["ignored"] = ["skip_instance_ids"]  # the running job keeps its plan
+    return _started(svc, running, "Rollout already running", **extra)
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def _generator_data(

@@ -12,6 +12,7 @@ const FINISH_COLORS = { stop: "#16a34a", length: "#e67e22", abort: "#9333ea", to
 
 window.dashboardState = {
   updates: 0, samples: 0, lastSampleT: null, lastUpdate: null, error: null, charts: {}, polls: [], viewer: null,
+  alerts: [],
 };
 
 const history = [];
@@ -150,12 +151,34 @@ function badge(task) {
   return el("span", { class: "badge", style: `background:${colorFor(task)};color:#fff` }, task);
 }
 
+// Why groups were discarded (buffer/core/pipeline.py, reads.py), in words. invalid_group: the
+// task's is_valid_group said no; the default one (default_func.py) refuses a group whose rewards
+// are all equal, which has no advantage to learn from.
+const DISCARD_REASONS = {
+  invalid_group: "equal rewards (no learning signal)",
+  too_few_valid_items: "too few items passed filter_item",
+  timeout_too_small: "timed out with too few items",
+  too_large_to_pad: "too far below the group size to pad",
+  stale: "too stale for the policy (max_staleness)",
+};
+
+function discardReason(why, hooksOverridden) {
+  if (why === "invalid_group" && (hooksOverridden || []).includes("is_valid_group")) {
+    return "refused by the generator's is_valid_group";
+  }
+  return DISCARD_REASONS[why] || why;
+}
+
 function renderTasks(stats) {
   const rows = Object.values(stats.tasks || {}).map((task) => {
-    const discarded = Object.entries(task.discarded_groups || {}).map(([why, n]) => `${why}: ${n}`).join(", ");
+    const discarded = el("span", { class: "discarded" });
+    for (const [why, n] of Object.entries(task.discarded_groups || {})) {
+      if (discarded.childNodes.length) discarded.append(", ");
+      discarded.append(el("span", { title: why, "data-reason": why }, `${discardReason(why, task.hooks_overridden)}: ${fmt(n)}`));
+    }
     return [
       badge(task.task_type), task.group_size, fmt(task.total_written), fmt(task.pending_groups), fmt(task.ready_groups),
-      fmt(task.delivered_groups), fmt(task.delivered_items), discarded || "0", fmt(task.set_aside_groups),
+      fmt(task.delivered_groups), fmt(task.delivered_items), discarded.childNodes.length ? discarded : "0", fmt(task.set_aside_groups),
       task.reward_count ? fmt(task.reward_mean, 3) : "–", task.reward_count > 1 ? fmt(task.reward_std, 3) : "–",
     ];
   });
@@ -227,6 +250,81 @@ function renderEngine(jobs) {
   fillRows(document.querySelector("#engine tbody"), rows, 7, "no generator job has asked the policy server yet");
 }
 
+// --- what is wrong, said at the top ----------------------------------------------------
+
+// A running job whose LLM requests kept failing, with no answer and no trajectory over this
+// long, has its policy server down. The jobs' counters are cumulative: the page keeps what
+// each poll saw of them (jobSeries) and compares now with ENGINE_WINDOW_S ago.
+const ENGINE_WINDOW_S = 30;
+const ENGINE_MIN_FAILURES = 3;
+const jobSeries = new Map(); // job id -> [{t, failures, answers, completed}], oldest first
+
+function observeJobs(jobs, t) {
+  const seen = new Set();
+  for (const job of jobs) {
+    seen.add(job.id);
+    const p = job.progress || {};
+    const series = jobSeries.get(job.id) || [];
+    series.push({ t, failures: p.request_failures || 0, answers: p.latency_s_count || 0, completed: p.completed || 0 });
+    while (series.length > 2 && series[1].t <= t - ENGINE_WINDOW_S) series.shift();
+    jobSeries.set(job.id, series);
+  }
+  for (const id of [...jobSeries.keys()]) if (!seen.has(id)) jobSeries.delete(id);
+}
+
+// One job's policy server, from its samples (oldest first, the first at or before the window's
+// start): "down" when requests failed and nothing came back, "failing" when some failed
+// among answers, null otherwise. Pure, for tests: window.dashboardTest.engineVerdict.
+function engineVerdict(job, series) {
+  if (job.status !== "running" || !series.length) return null;
+  const now = series[series.length - 1];
+  const kinds = Object.entries((job.progress || {}).request_failures_by_kind || {}).sort((a, b) => b[1] - a[1]);
+  const kind = kinds.length ? ` (mostly ${kinds[0][0]})` : "";
+  if (now.answers === 0 && now.completed === 0 && now.failures >= ENGINE_MIN_FAILURES) {
+    return { level: "bad", kind: "engine-down", text: `${fmt(now.failures)} LLM requests failed${kind}, none answered yet` };
+  }
+  const then = series[0];
+  const span = now.t - then.t;
+  const failed = now.failures - then.failures;
+  if (span < ENGINE_WINDOW_S / 2 || failed <= 0) return null;
+  if (now.answers === then.answers && now.completed === then.completed && failed >= ENGINE_MIN_FAILURES) {
+    return { level: "bad", kind: "engine-down", text: `${fmt(failed)} LLM requests failed${kind} and none answered in the last ${duration(span)}` };
+  }
+  return { level: "warn", kind: "engine-failing", text: `${fmt(failed)} LLM requests failed${kind} in the last ${duration(span)}, among ${fmt(now.answers - then.answers)} answers` };
+}
+
+// The trainer, as /dashboard/data's "trainer" tells it: tasks whose oldest ready group has
+// waited past trainer.behind_after_s (reads take the oldest first).
+function trainerAlerts(trainer) {
+  if (!trainer) return [];
+  const last = trainer.last_read_age_s === null || trainer.last_read_age_s === undefined
+    ? "it has never read"
+    : `its last read was ${trainer.at_least ? "over " : ""}${duration(trainer.last_read_age_s)} ago`;
+  return (trainer.behind || []).map((task) => {
+    const t = trainer.tasks[task];
+    return {
+      level: "warn", kind: "trainer-behind", task,
+      text: `${fmt(t.ready_groups)} groups ready, the oldest for ${duration(t.oldest_ready_age_s)}; ${last}`,
+    };
+  });
+}
+
+function renderAlerts(jobs, trainer) {
+  const alerts = [];
+  for (const job of jobs) {
+    const verdict = engineVerdict(job, jobSeries.get(job.id) || []);
+    if (verdict) alerts.push({ ...verdict, task: job.task_type, job: job.id });
+  }
+  alerts.push(...trainerAlerts(trainer));
+  const titles = { "engine-down": "engine down", "engine-failing": "engine errors", "trainer-behind": "trainer behind" };
+  const box = document.getElementById("alerts");
+  box.replaceChildren(...alerts.map((a) => el("div", { class: `alert ${a.level}`, "data-kind": a.kind },
+    el("strong", {}, titles[a.kind]), a.job ? `${a.job} ` : "", badge(a.task), ` ${a.text}`)));
+  window.dashboardState.alerts = alerts.map((a) => ({ kind: a.kind, task: a.task, job: a.job || null, text: a.text }));
+}
+
+window.dashboardTest = { engineVerdict, trainerAlerts, discardReason };
+
 function renderList(list, items, emptyText, render) {
   list.replaceChildren();
   if (!items.length) {
@@ -292,27 +390,45 @@ function trainerTokens(trajectory) {
 
 const MAX_TOKENS_SHOWN = 4000;
 
-function renderTokens(samples) {
+// The token view (the "tokens" select): hidden, as text (each token decoded with the served
+// model's tokenizer, its id on hover) or as ids. Without a tokenizer "as text" shows ids and says why.
+function renderTokens(samples, view, decoded) {
+  if (view === "hidden") {
+    if (samples === null) return el("p", { class: "muted token-summary" }, "no token records");
+    const total = samples.reduce((n, sample) => n + sample.tokens.length, 0);
+    const trained = samples.reduce((n, sample) => n + sample.mask.filter((m) => m === 1).length, 0);
+    return el("p", { class: "muted token-summary" },
+      `${fmt(total)} tokens, ${fmt(trained)} under the loss mask (tokens: "as text" or "as ids" shows them)`);
+  }
   if (samples === null) {
     return el("p", { class: "muted no-tokens" },
       "no token records (turns): the trainer gets these messages re-rendered with the model's chat template, " +
       "which needs its tokenizer (buffer.trainer.samples); the page cannot show those tokens.");
   }
+  const texts = view === "text" && decoded && decoded.texts ? decoded.texts : null;
   const box = el("div", {});
+  if (view === "text" && !texts) {
+    box.append(el("p", { class: "muted no-decode" }, `token ids: no tokenizer to decode them (${(decoded && decoded.why) || "unknown"})`));
+  }
   samples.forEach((sample, index) => {
     const trained = sample.mask.filter((m) => m === 1).length;
     box.append(el("div", { class: "muted" },
       `${samples.length > 1 ? `sample ${index + 1} of ${samples.length} (a branch): ` : ""}` +
       `${fmt(sample.tokens.length)} tokens, ${fmt(trained)} under the loss mask (highlighted)`));
-    const tokens = el("div", { class: "tokens" });
-    sample.tokens.slice(0, MAX_TOKENS_SHOWN).forEach((id, i) => tokens.append(el("span", { class: `m${sample.mask[i]}` }, id)));
+    const tokens = el("div", { class: texts ? "tokens text" : "tokens" });
+    sample.tokens.slice(0, MAX_TOKENS_SHOWN).forEach((id, i) => {
+      const text = texts ? texts[String(id)] : undefined;
+      tokens.append(text === undefined
+        ? el("span", { class: `m${sample.mask[i]}` }, id)
+        : el("span", { class: `m${sample.mask[i]}`, title: `id ${id}`, "data-id": String(id) }, text));
+    });
     if (sample.tokens.length > MAX_TOKENS_SHOWN) tokens.append(el("span", { class: "m0" }, `… ${sample.tokens.length - MAX_TOKENS_SHOWN} more`));
     box.append(tokens);
   });
   return box;
 }
 
-function renderTrajectory(trajectory, index) {
+function renderTrajectory(trajectory, index, view, decoded) {
   const info = trajectory.extra_info || {};
   const raw = trajectory.raw_reward !== undefined ? trajectory.raw_reward : trajectory.reward;
   const heading = `#${index + 1} · reward ${fmt(raw, 3)}` +
@@ -324,7 +440,7 @@ function renderTrajectory(trajectory, index) {
     const extra = message.tool_calls ? `\n${JSON.stringify(message.tool_calls)}` : "";
     box.append(el("div", { class: "message" }, el("span", { class: "role" }, message.role), el("pre", {}, (content || "") + extra)));
   }
-  box.append(renderTokens(trainerTokens(trajectory)));
+  box.append(renderTokens(trainerTokens(trajectory), view, decoded));
   return box;
 }
 
@@ -354,16 +470,29 @@ async function listGroups() {
   }
 }
 
+let openedGroup = null; // the group the viewer shows, redrawn when the token view changes
+
+function drawGroup() {
+  const body = document.getElementById("viewer-body");
+  if (!openedGroup) return;
+  const view = document.getElementById("viewer-tokens").value;
+  body.replaceChildren(...openedGroup.trajectories.map((t, i) => renderTrajectory(t, i, view, openedGroup.tokens)));
+}
+
 async function openGroup() {
   const task = document.getElementById("viewer-task").value;
   const instance = document.getElementById("viewer-group").value;
   const body = document.getElementById("viewer-body");
   if (!task || !instance) return;
   try {
-    const data = await getJson(`dashboard/group?task_type=${encodeURIComponent(task)}&instance_id=${encodeURIComponent(instance)}`);
-    body.replaceChildren(...data.trajectories.map(renderTrajectory));
-    window.dashboardState.viewer = { task, groups: window.dashboardState.viewer?.groups, opened: instance, trajectories: data.trajectories.length };
+    openedGroup = await getJson(`dashboard/group?task_type=${encodeURIComponent(task)}&instance_id=${encodeURIComponent(instance)}`);
+    drawGroup();
+    window.dashboardState.viewer = {
+      task, groups: window.dashboardState.viewer?.groups, opened: instance, trajectories: openedGroup.trajectories.length,
+      tokenizer: openedGroup.tokens ? openedGroup.tokens.tokenizer : null,
+    };
   } catch (error) {
+    openedGroup = null;
     body.replaceChildren(el("p", { class: "error" }, String(error)));
   }
 }
@@ -381,6 +510,7 @@ function renderViewerTasks(stats) {
 document.getElementById("viewer-task").addEventListener("change", listGroups);
 document.getElementById("viewer-refresh").addEventListener("click", listGroups);
 document.getElementById("viewer-group").addEventListener("change", openGroup);
+document.getElementById("viewer-tokens").addEventListener("change", drawGroup);
 
 // --- the loop --------------------------------------------------------------------------
 
@@ -415,6 +545,8 @@ function render(data) {
   renderTasks(stats);
   renderJobProgress(data.jobs || []);
   renderEngine(data.jobs || []);
+  observeJobs(data.jobs || [], Date.now() / 1000);
+  renderAlerts(data.jobs || [], data.trainer);
   renderGenerators(data.generators || [], data.generator_errors || []);
   renderViewerTasks(stats);
 
