@@ -297,9 +297,13 @@ def read_trajectories(body: bytes, batch: bool) -> list[dict[str, Any]]:
         and all(is_trajectory(item) for item in items)
     ):
         return items
-    checked = parse_json(TRAJECTORY_BATCH, body)["trajectories"] if batch else parse_json(TRAJECTORIES, body)
+    if batch:
+        wrapped: Any = parse_json(TRAJECTORY_BATCH, body)
+        refuse_non_finite(body, wrapped)  # the whole body: a field is named from its root
+        return wrapped["trajectories"]  # type: ignore[no-any-return]
+    checked: Any = parse_json(TRAJECTORIES, body)
     refuse_non_finite(body, checked)
-    return checked  # type: ignore[return-value]
+    return checked  # type: ignore[no-any-return]
 
 
 def refuse_non_finite(body: bytes, parsed: Any) -> None:

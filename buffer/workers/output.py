@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +36,18 @@ class WorkerOutput:
     """One worker's output: both its streams share its budget."""
 
     def __init__(
-        self, name: str, max_bytes_s: int = MAX_OUTPUT_BYTES_S, max_line_bytes: int = MAX_LINE_BYTES
+        self,
+        name: str,
+        max_bytes_s: int = MAX_OUTPUT_BYTES_S,
+        max_line_bytes: int = MAX_LINE_BYTES,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
         self.max_bytes_s = max_bytes_s
         self.max_line_bytes = max_line_bytes
+        self._clock = clock
         self._allowance = float(max_bytes_s)
-        self._refilled = time.monotonic()
+        self._refilled = clock()
         self._reported = self._refilled
         #: What was left out since the last report: lines (whole or their cut tails) and bytes.
         self.dropped_lines = 0
@@ -100,7 +106,7 @@ class WorkerOutput:
             level = logging.getLevelName(named.group(1).decode())
         elif raw[:1].isspace() or raw.startswith(b"Traceback"):
             level = last_level
-        now = time.monotonic()
+        now = self._clock()
         self._allowance = min(
             float(self.max_bytes_s), self._allowance + (now - self._refilled) * self.max_bytes_s
         )
@@ -116,7 +122,7 @@ class WorkerOutput:
         return level
 
     def _report(self, *, force: bool = False) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if not (self.dropped_lines or self.dropped_bytes):
             return
         if not force and now - self._reported < DROP_REPORT_INTERVAL_S:

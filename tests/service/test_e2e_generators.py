@@ -156,8 +156,9 @@ def test_a_long_poll_its_client_abandoned_takes_nothing(process: Process, tmp_pa
             client.post("/get_rollout_data", json={"wait_s": 5}, timeout=0.5)
         for reward in (1.0, 0.0, 1.0):  # the group completes while that read still waits
             client.post("/buffer/write", json={**item, "reward": reward})
-        time.sleep(1.5)  # long enough for the abandoned read to notice
-        body = client.post("/get_rollout_data", json={}).json()
+        time.sleep(1.5)  # the abandoned read most likely woke by now (if not, this read races it)
+        # A read that waits: a group the abandoned read held and gave back is taken here too.
+        body = client.post("/get_rollout_data", json={"wait_s": 30}, timeout=60).json()
     assert len(body["data"]["data"]) == 4  # the group went to the next read, not to the closed one
 
 

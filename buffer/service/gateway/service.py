@@ -461,7 +461,9 @@ def _on_timeout(value: Any) -> OnTimeout | None:
     return None
 
 
-_NOT_SAMPLING = frozenset({"messages", "tools", "stream", "stream_options", "tool_choice", "metadata"})
+#: Request fields that are no sampling field. ``tool_choice`` is one: "required" or a named tool
+#: constrains decoding, so the turn's logprobs are the grammar's (``logprob_kinds.constraint``).
+_NOT_SAMPLING = frozenset({"messages", "tools", "stream", "stream_options", "metadata"})
 _ROLE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 

@@ -180,6 +180,17 @@ def test_the_session_s_sampling_is_what_the_engine_gets_whatever_the_agent_asks(
     assert trajectory["extra_info"]["sampling_pinned"] == pins
 
 
+def test_a_call_forced_by_tool_choice_alone_is_marked_sampled_under_a_grammar(client: TestClient) -> None:
+    """A named tool or "required" constrains decoding: the turn's logprobs are the grammar's,
+    never handed to a trainer as the policy's; a free call's are the policy's."""
+    session = open_session(client)
+    forced = {"type": "function", "function": {"name": TOOLS[0]["function"]["name"]}}
+    solve(sdk(client, session), tool_choice=forced)
+    client.post(f"/sessions/{session['session_id']}/end", json={"reward": 1.0})
+    (trajectory,) = written(client, "q1").values()
+    assert [turn["logprobs"] for turn in trajectory["turns"]] == ["constrained", "constrained"]
+
+
 def test_a_task_pins_the_sampling_of_its_sessions_and_a_bad_pin_is_refused(
     client: TestClient, engine: Engine
 ) -> None:
