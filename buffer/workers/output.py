@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import time
 from collections.abc import Callable
+
+from buffer.workers.progress import pipe_stream
 
 logger = logging.getLogger(__name__)
 
@@ -56,18 +57,8 @@ class WorkerOutput:
     async def forward(self, fd: int, level: int) -> None:
         """Log the lines of the pipe ``fd`` (closed when done) until its end of file (``level``:
         a line's unless it says)."""
-        loop = asyncio.get_running_loop()
-        stream = asyncio.StreamReader(limit=_READ_BYTES)
-        pipe = os.fdopen(fd, "rb", buffering=0)  # a pipe: opening it does not block
-        try:
-            transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream), pipe)
-        except BaseException:
-            pipe.close()
-            raise
-        try:
+        async with pipe_stream(fd, _READ_BYTES) as stream:
             await self._forward(stream, level)
-        finally:
-            transport.close()
 
     async def _forward(self, stream: asyncio.StreamReader, level: int) -> None:
         line = bytearray()

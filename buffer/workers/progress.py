@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -146,11 +146,12 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-async def receive(fd: int, keep: Report, name: str) -> None:
-    """Read the reports of the pipe ``fd`` (closed when done) until its end of file, handing
-    each to ``keep``; ``name`` tags what is logged."""
+@contextlib.asynccontextmanager
+async def pipe_stream(fd: int, limit: int) -> AsyncIterator[asyncio.StreamReader]:
+    """The read end of a pipe ``fd`` as a stream on the running loop (opening a pipe does not
+    block), closed on leaving, ``fd`` with it; ``limit`` bounds a line."""
     loop = asyncio.get_running_loop()
-    stream = asyncio.StreamReader(limit=MAX_REPORT_BYTES)
+    stream = asyncio.StreamReader(limit=limit)
     pipe = os.fdopen(fd, "rb", buffering=0)
     try:
         transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream), pipe)
@@ -158,6 +159,15 @@ async def receive(fd: int, keep: Report, name: str) -> None:
         pipe.close()
         raise
     try:
+        yield stream
+    finally:
+        transport.close()
+
+
+async def receive(fd: int, keep: Report, name: str) -> None:
+    """Read the reports of the pipe ``fd`` (closed when done) until its end of file, handing
+    each to ``keep``; ``name`` tags what is logged."""
+    async with pipe_stream(fd, MAX_REPORT_BYTES) as stream:
         while True:
             try:
                 line = await stream.readline()
@@ -175,8 +185,6 @@ async def receive(fd: int, keep: Report, name: str) -> None:
                 continue
             if isinstance(report, dict):
                 keep(report)
-    finally:
-        transport.close()
 
 
 #: What a worker reports of now, not of its whole run: left out once it has ended.

@@ -22,12 +22,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from buffer import storable
 from buffer.errors import InvalidInput, RolloutBufferError
 from buffer.service.gateway import anthropic, responses
 from buffer.service.gateway.service import Gateway
 from buffer.service.gateway.sessions import Session
 from buffer.service.gateway.translation import tool_arguments
+from buffer.service.routes.agent_body import read_call_body
 from buffer.toolkit.llm import LLMError
 
 
@@ -43,21 +43,6 @@ def _response_store(request: Request) -> responses.ResponseStore:
     if store is None:
         store = state.gateway_responses = responses.ResponseStore()
     return store
-
-
-async def _body(request: Request) -> dict[str, Any]:
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as exc:
-        raise InvalidInput.one("body", f"is not JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidInput.one("body", "must be a JSON object")
-    # Before the engine is asked: the call is journaled, and a value the journal cannot keep
-    # would fail after the engine has answered.
-    found = storable.problem_at(body)
-    if found is not None:
-        raise InvalidInput.one(storable.field_name(found[0]), found[1])
-    return body
 
 
 def _session(request: Request, gateway: Gateway) -> Session:
@@ -79,7 +64,7 @@ async def messages(request: Request) -> Response:
     try:
         gateway = _gateway(request)
         session = _session(request, gateway)
-        body = await _body(request)
+        body = await read_call_body(request)
         chat = anthropic.to_chat(body, _recorded_arguments(session, anthropic.tool_use_ids(body)))
         answer = await gateway.complete(session, chat, headers=request.headers)
     except RolloutBufferError as exc:
@@ -101,7 +86,7 @@ async def create_response(request: Request) -> Response:
     try:
         gateway = _gateway(request)
         session = _session(request, gateway)
-        body = await _body(request)
+        body = await read_call_body(request)
         previous = None
         previous_id = body.get("previous_response_id")
         if previous_id is not None:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from buffer import encoding, storable
+from buffer import encoding
 from buffer.errors import InvalidInput, NotFound
 from buffer.service.gateway.images import media_type
 from buffer.service.gateway.proxy import for_agent, stream_chunks
@@ -35,6 +35,7 @@ from buffer.service.gateway.sessions import MAX_METADATA_BYTES, MAX_SESSION_TIME
 from buffer.service.models import FiniteNumber, InstanceId, Int64, check_storable
 from buffer.service.responses import envelope
 from buffer.service.routes import dialects
+from buffer.service.routes.agent_body import read_call_body
 from buffer.toolkit.llm import LLMError
 
 router = APIRouter(tags=["gateway"])
@@ -150,17 +151,7 @@ async def chat_completions(request: Request) -> Response:
     session = gateway.session(
         request.path_params["session_id"], request.headers.get("authorization"), agent=True
     )
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as exc:
-        raise InvalidInput.one("body", f"is not JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidInput.one("body", "must be a JSON object")
-    # Before the engine is asked: the call is journaled with the body, and a body the journal
-    # cannot keep (nested past its depth) would fail after the engine has answered.
-    found = storable.problem_at(body)
-    if found is not None:
-        raise InvalidInput.one(storable.field_name(found[0]), found[1])
+    body = await read_call_body(request)
     try:
         answer = await unless_disconnected(request, gateway.complete(session, body, headers=request.headers))
     except LLMError as exc:
