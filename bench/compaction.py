@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import sqlite3
 import sys
@@ -108,6 +109,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         while not cleanup_done(journal):
             time.sleep(0.1)
         first_compactions = journal.compactions
+        if args.gc == "service":  # as ``rollout-buffer serve`` sets it, and freezes after the restore
+            gc.set_threshold(50_000, 20, 20)
+            gc.freeze()
         journal.compact_bytes = 2**62 if args.back_to_back else args.compact_bytes
         print(f"filled {args.fill:,} in {fill_s:.0f} s; {folder_bytes(folder) / 1e9:.2f} GB")
 
@@ -189,6 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     result = {
         "code": str(args.code or "."),
+        "gc": args.gc,
         "fill": args.fill,
         "seconds": elapsed,
         "rate": len(latencies) / elapsed,
@@ -221,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--compact-bytes", type=int, default=256 * 2**20, help="the journal's --compact-bytes"
+    )
+    parser.add_argument(
+        "--gc",
+        choices=["service", "default"],
+        default="service",
+        help="the collector as the service sets it (thresholds; frozen after the fill) or Python's default",
     )
     parser.add_argument("--code", type=Path, default=None, help="the checkout whose store to measure")
     parser.add_argument("--tmp", default=None, help="where the folder is made (default: the system's)")

@@ -178,24 +178,33 @@ class JobLedger:
             written = task_of(task_type).written
             self.jobs[task_type].update(crashes=header["crashes"], paused=False, written=written)
 
-    def snapshot(self, tasks: Mapping[str, TaskBuffer]) -> dict[str, dict[str, Any]]:
+    def snapshot(self, tasks: Mapping[str, TaskBuffer]) -> Callable[[], dict[str, dict[str, Any]]]:
         """The jobs as a snapshot's ``state`` record keeps them: each with the groups its task
         finished since it started, ``finished`` ``[instance_id, count]`` of the groups that
-        say no epoch, ``finished_epochs`` ``[instance_id, epoch, count]`` of the others."""
-        jobs = {}
+        say no epoch, ``finished_epochs`` ``[instance_id, epoch, count]`` of the others. The
+        counts are copied now (under the buffer's lock: a copy of pointers); the function
+        returned makes the record's lists, outside it."""
+        copied: dict[str, tuple[dict[str, Any], dict[JobGroup, int] | None]] = {}
         for name, spec in self.jobs.items():
             task = tasks.get(name)
             finished = task.job_finished if task is not None else None
-            if finished is None:
-                jobs[name] = {**spec, "finished": None}
-                continue
-            jobs[name] = {
-                **spec,
-                "finished": [[iid, count] for (iid, epoch), count in finished.items() if epoch is None],
-                "finished_epochs": [
-                    [iid, epoch, count] for (iid, epoch), count in finished.items() if epoch is not None
-                ],
-            }
+            copied[name] = (dict(spec), None if finished is None else dict(finished))
+
+        def jobs() -> dict[str, dict[str, Any]]:
+            made = {}
+            for name, (spec, finished) in copied.items():
+                if finished is None:
+                    made[name] = {**spec, "finished": None}
+                    continue
+                made[name] = {
+                    **spec,
+                    "finished": [[iid, count] for (iid, epoch), count in finished.items() if epoch is None],
+                    "finished_epochs": [
+                        [iid, epoch, count] for (iid, epoch), count in finished.items() if epoch is not None
+                    ],
+                }
+            return made
+
         return jobs
 
     def restore(self, jobs: dict[str, dict[str, Any]], task_of: Callable[[str], TaskBuffer]) -> None:

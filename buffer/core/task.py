@@ -11,7 +11,8 @@ Each is kept as one flat tuple of atoms (``Stored``), which CPython's collector 
 the first time it looks (a tuple exactly, not a subclass such as a ``NamedTuple``, nor one
 holding a tuple it still tracks): a million pending groups add nothing to a full collection,
 which would otherwise stop the event loop for seconds. ``TaskBuffer.open`` shows them as
-``OpenGroup``s.
+``OpenGroup``s. A snapshot captures them in O(1) and encodes them outside the buffer's lock
+(``open_table``).
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 from buffer import encoding
 from buffer.core.hooks import Hooks
+from buffer.core.open_table import OpenTable
 from buffer.core.pipeline import (
     TIMEOUT_TOO_SMALL,
     Discarded,
@@ -107,11 +109,14 @@ def _view(group: Stored) -> OpenGroup:
 class OpenGroups(Mapping[InstanceId, OpenGroup]):
     """The open groups of a task, oldest write first, as ``OpenGroup``s made on access."""
 
-    def __init__(self, groups: OrderedDict[InstanceId, Stored]) -> None:
+    def __init__(self, groups: OpenTable[InstanceId]) -> None:
         self._groups = groups
 
     def __getitem__(self, instance_id: InstanceId) -> OpenGroup:
-        return _view(self._groups[instance_id])
+        group = self._groups.get(instance_id)
+        if group is None:
+            raise KeyError(instance_id)
+        return _view(group)
 
     def __iter__(self) -> Iterator[InstanceId]:
         return iter(self._groups)
@@ -196,7 +201,7 @@ class TaskBuffer:
         self._sequence = sequence
         self._on_ready = on_ready
         self.log = log
-        self._open: OrderedDict[InstanceId, Stored] = OrderedDict()
+        self._open: OpenTable[InstanceId] = OpenTable()  # -> Stored
         self.open = OpenGroups(self._open)
         self.ready: deque[ReadyGroup] = deque()
         self.set_aside: deque[SetAsideGroup] = deque(maxlen=keep_set_aside)
@@ -277,14 +282,16 @@ class TaskBuffer:
         else:
             size, fields = group[1], group[3]
             if type(fields) is list:
-                fields.extend(record)
+                if self._open.capturing:  # the captured group keeps its records
+                    fields = [*fields, *record]
+                else:
+                    fields.extend(record)
                 group = (instance_id, size, now, fields)
             elif len(group) - 3 < _TUPLE_FIELDS:
                 group = (instance_id, size, now, *group[3:], *record)
             else:
                 group = (instance_id, size, now, [*group[3:], *record])
-            self._open.move_to_end(instance_id)
-        self._open[instance_id] = group
+        self._open.put(instance_id, group)
         self.pending_items += 1
         self.written += 1
         self.window.add(record.reward)
@@ -293,18 +300,18 @@ class TaskBuffer:
         if self._keep_window_records:
             self.window_records.append((instance_id, record))
         if finish and len(_fields(group)) >= size * _FIELDS:
-            del self._open[instance_id]
+            self._open.pop(instance_id)
             self._finish(group, timed_out=False)
 
     def expire(self, now: float) -> int:
         """Finish every group with no write for ``group_timeout_s``; returns how many."""
         timeout_s = self.settings.group_timeout_s
         expired = 0
-        while self._open:
-            group = next(iter(self._open.values()))
+        while (oldest := self._open.oldest()) is not None:
+            instance_id, group = oldest
             if now - group[2] < timeout_s:
                 break
-            self._open.popitem(last=False)
+            self._open.pop(instance_id)
             self._finish(group, timed_out=True)
             expired += 1
         return expired
@@ -313,7 +320,7 @@ class TaskBuffer:
         """Finish the groups that are full but open: after a restart cut the journal between
         a group's last write and its outcome."""
         for group in [g for g in self._open.values() if len(_fields(g)) >= g[1] * _FIELDS]:
-            del self._open[group[0]]
+            self._open.pop(group[0])
             self._finish(group, timed_out=False)
 
     def _finish(self, stored: Stored, *, timed_out: bool) -> None:
@@ -406,17 +413,19 @@ class TaskBuffer:
         return encode({**header, "current": current})
 
     def snapshot(self, wall_of: Callable[[float], float]) -> Callable[[], Iterator[bytes]]:
-        """Copy what the state refers to now (call under the buffer's lock: O(groups), no
-        encoding); the function returned encodes it as journal records, outside the lock.
-        ``wall_of`` turns this buffer's clock into wall-clock time."""
+        """Capture the state now (call under the buffer's lock; ``release_capture`` once read):
+        O(1) for the open groups (``open_table``) and for the lists that only grow until the
+        next read (their length is noted), a copy of the pointers of the ready queue and of
+        the window's instances; nothing per group. The function returned encodes the capture as
+        journal records, outside the lock. ``wall_of`` turns this buffer's clock into wall-clock
+        time."""
         task = self.settings_record(current=False)
-        open_groups = [
-            (g.instance_id, g.size, wall_of(g.last_write_s), g.records)
-            for g in map(_view, self._open.values())
-        ]
+        open_groups = self._open.capture()
         ready, aside = list(self.ready), list(self.set_aside)
-        window_records = list(self.window_records)
-        state = {
+        window_records, window_count = self.window_records, len(self.window_records)
+        finished, finished_count = self.finished_instance_ids, len(self.finished_instance_ids)
+        window_instances = self.window_instances.copy()
+        state: dict[str, Any] = {
             "e": "task_state",
             "t": self.task_type,
             "written": self.written,
@@ -426,35 +435,46 @@ class TaskBuffer:
             "set_aside_total": self.set_aside_total,
             "rewards": self.rewards.to_json(),
             "window": self.window.to_json(),
-            "window_instances": list(self.window_instances),
-            "finished": list(self.finished_instance_ids),
             "window_discarded": dict(self.window_discarded),
-            "window_records": [[iid, r.uid, r.reward] for iid, r in window_records],
         }
 
         def records() -> Iterator[bytes]:
             yield task
-            for instance_id, size, last_write, group in open_groups:
+            for group in map(_view, open_groups.values()):
                 header: dict[str, Any] = {
                     "e": "open",
                     "t": self.task_type,
-                    "i": instance_id,
-                    "size": size,
-                    "last": last_write,
-                    "u": [r.uid for r in group],
-                    "r": [r.reward for r in group],
-                    "h": [r.head for r in group],
+                    "i": group.instance_id,
+                    "size": group.size,
+                    "last": wall_of(group.last_write_s),
+                    "u": [r.uid for r in group.records],
+                    "r": [r.reward for r in group.records],
+                    "h": [r.head for r in group.records],
                 }
-                yield encode(header, [r.raw for r in group])
+                yield encode(header, [r.raw for r in group.records])
             for g in ready:
                 yield encode({"e": "ready", "t": self.task_type, "i": g.instance_id, "seq": g.seq}, g.items)
             for a in aside:
                 header = {"e": "aside", "t": self.task_type, "i": a.instance_id, "hook": a.hook}
                 header.update(error=a.error, tb=a.traceback, at=a.at)
                 yield encode(header, a.items)
-            yield encode(state, [r.raw for _, r in window_records])
+            kept = window_records[:window_count]
+            state["window_instances"] = list(window_instances)
+            state["finished"] = finished[:finished_count]
+            state["window_records"] = [[iid, r.uid, r.reward] for iid, r in kept]
+            yield encode(state, [r.raw for _, r in kept])
 
         return records
+
+    def release_capture(self) -> None:
+        """The records of ``snapshot`` are read: the open groups may change in place again
+        (call under the buffer's lock)."""
+        self._open.release()
+
+    def fold_capture(self) -> bool:
+        """Fold a slice of what changed during the last capture back into the open groups
+        (call under the buffer's lock, again while it returns True)."""
+        return self._open.fold()
 
     def restore(self, event: Event, monotonic_of: Callable[[float], float]) -> None:
         """Apply a snapshot record (``open``, ``ready``, ``aside``, ``task_state``)."""
@@ -469,7 +489,7 @@ class TaskBuffer:
             ]
             instance_id, size, last = header["i"], header["size"], monotonic_of(header["last"])
             kept = (*fields,) if len(fields) <= _TUPLE_FIELDS else (fields,)
-            self._open[instance_id] = (instance_id, size, last, *kept)
+            self._open.put(instance_id, (instance_id, size, last, *kept))
             self.pending_items += len(parts)
         elif kind == "ready":
             items = event.parts()

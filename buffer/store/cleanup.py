@@ -4,9 +4,11 @@ A compaction's install (``sqlite``) is O(1): it renames the staged snapshot to `
 (the replaced one becomes ``snapshot_old_N``) and moves ``meta.snapshot_through``; the events
 it covers stay in ``events`` for now. A restore reads only ``snapshot`` and the events after
 ``snapshot_through``, so what is left over is garbage, never state. The journal's cleaner
-thread deletes it here, ``ROWS`` rows per transaction, then gives the freed pages back to the
-file system (``incremental_vacuum``, ``VACUUM_BYTES`` at a time), each slice from its own
-connection under the journal's write lock, letting a queued commit go first after each. A
+thread deletes it here, then gives the freed pages back to the file system
+(``incremental_vacuum``), a slice per transaction from its own connection under the journal's
+write lock, letting a queued commit go first after each. A slice is sized by the time it takes
+(``SLICE_S``), not by a fixed count: under load each one waits for a commit, and slices of a
+thousand rows left a million rows to clean for minutes, holding the next compaction back. A
 crash in between leaves garbage that the next start cleans up.
 """
 
@@ -27,10 +29,14 @@ from buffer.store.schema import LOG_COLUMNS, connect, insert
 logger = logging.getLogger(__name__)
 
 GARBAGE = "snapshot_old_"
-#: Rows deleted per transaction: a slice holds the writer back a few milliseconds at most.
+#: Rows deleted by the first slice; the next ones take about ``SLICE_S`` each.
 ROWS = 1000
-#: Free space given back per transaction, at most.
+#: Free space given back by the first slice; the same.
 VACUUM_BYTES = 4 * 2**20
+#: The work of one cleanup slice, in seconds: what it holds the writer back, at most about.
+SLICE_S = 0.015
+#: How much a slice may grow over the one before.
+_GROWTH = 4.0
 #: Staged rows per transaction, and their bytes at most: the writer waits for one at most.
 _STAGING_ROWS = 2000
 _STAGING_BYTES = 2 * 2**20
@@ -50,9 +56,13 @@ class SideWriter:
         self._lock = lock
         self._let_writer_go = let_writer_go  # returns once a commit queued meanwhile is made
         self._checkpointed = 0
+        self._rows = ROWS  # per cleanup slice
+        self._vacuum_bytes = VACUUM_BYTES
+        self.work_s = 0.0  # how long the last transaction held the write lock
 
     def transaction(self, work: Callable[[sqlite3.Connection], Any]) -> Any:
         with self._lock:
+            started = time.monotonic()
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 result = work(self.db)
@@ -61,6 +71,7 @@ class SideWriter:
                 if self.db.in_transaction:
                     self.db.rollback()
                 raise
+            self.work_s = time.monotonic() - started
         self._after()
         return result
 
@@ -85,10 +96,13 @@ class SideWriter:
     def clean_slice(self, keep_bytes: int) -> bool:
         """One slice of cleanup: a batch of garbage rows deleted, else free pages given back
         down to ``keep_bytes``; False once there is nothing left to do."""
-        if self.transaction(step):
+        if self.transaction(functools.partial(step, rows=self._rows)):
+            self._rows = _resized(self._rows, self.work_s)
             return True
         with self._lock:
-            more = reclaim(self.db, keep_bytes, VACUUM_BYTES)
+            started = time.monotonic()
+            more = reclaim(self.db, keep_bytes, self._vacuum_bytes)
+            self._vacuum_bytes = _resized(self._vacuum_bytes, time.monotonic() - started)
         self._after(checkpoint=True)  # the file is truncated when the checkpoint copies the slice
         return more
 
@@ -100,6 +114,12 @@ class SideWriter:
 
     def close(self) -> None:
         self.db.close()
+
+
+def _resized(amount: int, took_s: float) -> int:
+    """The amount of work for the next slice, from what ``amount`` took: about ``SLICE_S``."""
+    scaled = amount * SLICE_S / max(took_s, 1e-4)
+    return int(max(amount / _GROWTH, min(amount * _GROWTH, scaled), 1))
 
 
 def stage_afresh(db: sqlite3.Connection) -> None:
@@ -137,13 +157,14 @@ def has_garbage(db: sqlite3.Connection) -> bool:
     return bool(garbage_tables(db)) or (low is not None and low <= snapshot_through(db))
 
 
-def step(db: sqlite3.Connection) -> bool:
-    """Delete one slice of garbage, in the caller's transaction; False once there is none."""
+def step(db: sqlite3.Connection, rows: int = ROWS) -> bool:
+    """Delete up to ``rows`` rows of garbage, in the caller's transaction; False once there is
+    none."""
     tables = garbage_tables(db)
     if tables:
         table = tables[0]
         deleted = db.execute(
-            f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} ORDER BY id LIMIT {ROWS})"
+            f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} ORDER BY id LIMIT {rows})"
         ).rowcount
         if deleted == 0:
             db.execute(f"DROP TABLE {table}")  # empty: no pages to free
@@ -152,7 +173,7 @@ def step(db: sqlite3.Connection) -> bool:
     through = snapshot_through(db)
     if low is None or low > through:
         return False
-    db.execute("DELETE FROM events WHERE id <= ?", (min(through, low + ROWS - 1),))
+    db.execute("DELETE FROM events WHERE id <= ?", (min(through, low + rows - 1),))
     return True
 
 

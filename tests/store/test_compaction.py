@@ -51,6 +51,7 @@ def test_a_write_is_kept_while_a_large_cleanup_is_pending(
     clock: FakeClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(cleanup, "ROWS", 5)  # many slices: the snapshot below is ~60 rows
+    monkeypatch.setattr(cleanup, "SLICE_S", 0.0)  # that never grow
     held, holding = threading.Event(), threading.Event()
     clean_slice = cleanup.SideWriter.clean_slice
 
@@ -95,6 +96,7 @@ from buffer.store import cleanup, sqlite
 from tests.support.factories import group
 
 cleanup.ROWS = 5
+cleanup.SLICE_S = 0.0  # slices that never grow
 journal = sqlite.Journal(Path(sys.argv[1]))
 buffer = RolloutBuffer(TaskSettings(group_size=4))
 buffer.restore(journal.recover())
