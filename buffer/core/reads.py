@@ -10,8 +10,10 @@ then hands over to ``ReadPath.read`` (under the buffer's lock), which in order:
 3. takes them off their tasks' queues and counts what was served (lags, admissions);
 4. reports the statistics window (``meta_info``) and closes it, and the statistics of the
    groups it returns (``served``);
-5. keeps the read in the store: its ``read`` record and export rows together, with the way
-   to take it back (``_unread``) should the store fail to keep it.
+5. with the replay pool on (``buffer.core.replay_pool``), mixes in groups served before, at
+   most the read's ``replay_ratio`` of them, and keeps the good fresh groups in the pool;
+6. keeps the read in the store: its ``read`` record (with the pool's change) and export rows
+   together, with the way to take it back (``_unread``) should the store fail to keep it.
 
 A restart replays the ``read`` and ``stale`` records (``replay_read``, ``TaskBuffer.drop_ready``)
 to the same state. Everything here runs under the buffer's lock.
@@ -30,8 +32,10 @@ from buffer.core.hooks import EVALUATION_SOURCE
 from buffer.core.mixing import allocate, fill_shortfall
 from buffer.core.pipeline import served_rewards
 from buffer.core.records import encode, export_rows
+from buffer.core.replay_pool import PoolChange, PoolEntry, ReplayPool, ReplaySettings, replay_count
 from buffer.core.stats import RewardStats
 from buffer.core.task import InstanceId, ReadyGroup, TaskBuffer, Window
+from buffer.errors import InvalidInput
 from buffer.policy.state import Policy
 from buffer.policy.versions import group_versions
 
@@ -42,12 +46,15 @@ if TYPE_CHECKING:
 
 #: The reason a group past its task's ``max_staleness`` is counted under.
 STALE = "stale"
+#: Why a read asking for replay is refused while the pool is off.
+REPLAY_OFF = "the replay pool is off: start the service with --replay-capacity N"
 
 
 @dataclass(slots=True)
 class ReadResult:
-    groups: list[ReadyGroup]
+    groups: list[ReadyGroup]  #: the fresh groups, then those replayed from the pool
     meta_info: dict[str, Any]
+    replayed: int = 0  #: how many of ``groups`` (the last) the replay pool served again
 
     @property
     def num_items(self) -> int:
@@ -200,14 +207,28 @@ def task_weights(task_type: str | None, tasks: list[TaskBuffer]) -> dict[str, fl
     }
 
 
+@dataclass(slots=True)
+class _Replay:
+    """What a read may take from the replay pool, planned before its fresh groups are chosen."""
+
+    lagged: list[PoolEntry]  #: past ``max_lag``: leave with this read
+    ranked: list[PoolEntry]  #: what it may serve, highest priority first
+    batch: int | None = None  #: the read's batch in groups (None: no batch asked)
+    most: int = 0  #: at most this many groups (with a batch)
+    reserved: int | None = None  #: items kept from the fresh groups for them (with a batch)
+
+
 class ReadPath:
     """The reads of one buffer: takes groups for them, and owns what reads count (``reads``,
-    the export's ``read_id``; ``total_read``, the trajectories delivered) and the versions
-    parsed of ready groups (``span_of``'s cache)."""
+    the export's ``read_id``; ``total_read``, the trajectories delivered), the versions
+    parsed of ready groups (``span_of``'s cache) and the replay pool."""
 
-    def __init__(self, policy: Policy, wall_clock: Callable[[], float]) -> None:
+    def __init__(
+        self, policy: Policy, wall_clock: Callable[[], float], replay: ReplaySettings | None = None
+    ) -> None:
         self.policy = policy
         self._wall_clock = wall_clock
+        self.pool = ReplayPool(replay)
         self.reads = 0  # reads that returned groups: the export's read_id
         self.total_read = 0
         self._spans: dict[int, tuple[int, int] | None] = {}  # group versions, by ready seq
@@ -220,23 +241,32 @@ class ReadPath:
         mix: Mapping[str, float] | None,
         one_group_per_instance: bool,
         store: Store | None,
+        replay_ratio: float = 0.0,
     ) -> ReadResult:
         """A read of ``tasks`` (their timed-out groups finished already): see the module's
-        docstring. ``task_type`` is what the read named (None: every task)."""
+        docstring. ``task_type`` is what the read named (None: every task); ``replay_ratio``:
+        the share of the groups returned that may come from the replay pool."""
+        if replay_ratio and not self.pool.enabled:
+            raise InvalidInput.one("replay_ratio", REPLAY_OFF)
         by_name = {task.task_type: task for task in tasks}
         stale = self._set_stale_aside(tasks, store)
         weights = dict(mix) if mix is not None else task_weights(task_type, tasks)
+        replay = self._plan_replay(tasks, max_items, replay_ratio) if self.pool.active else None
+        fresh_max = max_items
+        if fresh_max is not None and replay is not None and replay.reserved:
+            fresh_max -= replay.reserved  # the items of the groups the pool may serve
         mixed: dict[str, Any] | None = None
-        if weights is not None and max_items is not None:
-            groups, mixed = choose_mixed(by_name, weights, max_items, self.policy, one_group_per_instance)
+        if weights is not None and fresh_max is not None:
+            groups, mixed = choose_mixed(by_name, weights, fresh_max, self.policy, one_group_per_instance)
         else:
-            groups = choose(tasks, max_items, one_group_per_instance)
+            groups = choose(tasks, fresh_max, one_group_per_instance)
         by_task: dict[str, list[int]] = {}
         for group in groups:
             by_task.setdefault(group.task_type, []).append(group.seq)
         for name, seqs in by_task.items():
             by_name[name].take_ready(seqs)
         taken = sum(len(group.items) for group in groups)
+        spans = {group.seq: span_of(group, self._spans) for group in groups} if self.pool.enabled else {}
         lags = self._account_served(tasks, groups, max_items)
         meta = meta_info(tasks)
         if not groups:
@@ -253,8 +283,21 @@ class ReadPath:
             discarded.update(window.discarded)
         meta["finished_groups"] = finished
         meta["discarded_groups"] = dict(discarded)
-        meta["returned_groups"] = len(groups)
-        meta["served"] = served_meta_info(groups)
+        served_at = self._wall_clock()
+        for group in groups:
+            by_name[group.task_type].record_served(group, served_at)
+        self.total_read += taken
+        self.reads += 1
+        read_id = self.reads
+        wall = self._wall_clock()
+        returned, change = groups, None
+        if replay is not None:
+            served_meta_info(groups)  # the rewards of each group, for the pool to judge it
+            returned, change = self._replay(replay, replay_ratio, by_name, groups, spans, wall, read_id)
+        if replay_ratio:
+            meta["replayed"] = len(returned) - len(groups)
+        meta["returned_groups"] = len(returned)
+        meta["served"] = served_meta_info(returned)
         if stale:
             meta["stale_groups"] = stale
         if mixed is not None:
@@ -263,23 +306,61 @@ class ReadPath:
             meta["policy_version"] = self.policy.version
             if lags:
                 meta["version_lag"] = {"min": min(lags), "max": max(lags)}
-        served_at = self._wall_clock()
-        for group in groups:
-            by_name[group.task_type].record_served(group, served_at)
-        self.total_read += taken
-        self.reads += 1
         if store is not None:
-            wall = self._wall_clock()
             header: dict[str, Any] = {"e": "read", "t": task_type, "seqs": [group.seq for group in groups]}
             if task_type is None:  # which task each group came from: a read may pass groups over
                 header["ts"] = [group.task_type for group in groups]
-            read_id = self.reads
+            if change is not None and (pool := change.record()) is not None:
+                header["pool"] = pool
             store.read(
                 encode({**header, "at": wall, "id": read_id}),
-                lambda: export_rows(groups, wall, read_id),
-                lambda: self._unread(groups, taken, closed),
+                lambda: export_rows(returned, wall, read_id),
+                lambda: self._unread(groups, taken, closed, change),
             )
-        return ReadResult(groups, meta)
+        return ReadResult(returned, meta, len(returned) - len(groups))
+
+    def _plan_replay(self, tasks: list[TaskBuffer], max_items: int | None, ratio: float) -> _Replay:
+        """What a read may take from the pool (before its fresh groups are chosen): the items
+        of the best floor(ratio * batch) groups are kept from the fresh ones, as long as one
+        fresh group still fits."""
+        lagged = self.pool.lagged(self.policy.version)
+        if not ratio or not self.pool.enabled:
+            return _Replay(lagged, [])
+        names = {task.task_type for task in tasks if task.hooks_source != EVALUATION_SOURCE}
+        plan = _Replay(lagged, self.pool.ranked(names, lagged))
+        if max_items is None:
+            return plan
+        smallest = min((task.settings.group_size for task in tasks), default=1)
+        plan.batch = max(1, max_items // smallest)
+        most = replay_count(ratio, plan.batch, plan.batch)  # floor(ratio * batch)
+        chosen = self.pool.pick(plan.ranked, most, None)
+        while chosen and max_items - sum(len(entry.items) for entry in chosen) < smallest:
+            chosen.pop()
+        plan.most = len(chosen)
+        plan.reserved = sum(len(entry.items) for entry in chosen)
+        return plan
+
+    def _replay(
+        self,
+        plan: _Replay,
+        ratio: float,
+        by_name: Mapping[str, TaskBuffer],
+        fresh: list[ReadyGroup],
+        spans: Mapping[int, tuple[int, int] | None],
+        wall: float,
+        read_id: int,
+    ) -> tuple[list[ReadyGroup], PoolChange]:
+        """The groups a read returns, the fresh ones and then those replayed (never more than
+        the share ``ratio``, none of an instance the fresh ones have), and the pool's change."""
+        count = replay_count(ratio, len(fresh), plan.batch)
+        if plan.batch is not None:
+            count = min(count, plan.most)
+        instances = {group.instance_id for group in fresh}
+        used = self.pool.pick(plan.ranked, count, plan.reserved, instances) if count else []
+        kept = [group for group in fresh if by_name[group.task_type].hooks_source != EVALUATION_SOURCE]
+        change = self.pool.apply(plan.lagged, used, kept, spans, wall, read_id)
+        replayed = [self.pool.serve(entry, self.policy.version) for entry in used]
+        return fresh + replayed, change
 
     def _set_stale_aside(self, tasks: list[TaskBuffer], store: Store | None) -> dict[str, int]:
         """Take every ready group past its task's ``max_staleness`` off the queue (kept as a
@@ -324,11 +405,19 @@ class ReadPath:
         self.policy.notify()
         return lags
 
-    def _unread(self, groups: list[ReadyGroup], taken: int, closed: list[tuple[TaskBuffer, Window]]) -> None:
+    def _unread(
+        self,
+        groups: list[ReadyGroup],
+        taken: int,
+        closed: list[tuple[TaskBuffer, Window]],
+        change: PoolChange | None = None,
+    ) -> None:
         """Give back the groups of a read the store could not keep (under the buffer's lock,
         newest read first): they go back to their places in their tasks, never counted as
-        delivered, and the statistics windows it closed are open again: the state a restart
-        would replay."""
+        delivered, the statistics windows it closed are open again and the replay pool is as
+        before it: the state a restart would replay."""
+        if change is not None:
+            self.pool.undo(change)
         popped = Counter(group.task_type for group in groups)
         for task, window in closed:
             task.reopen_window(window, popped[task.task_type])
@@ -345,21 +434,27 @@ class ReadPath:
         self, header: dict[str, Any], covered: list[TaskBuffer], tasks: Mapping[str, TaskBuffer]
     ) -> None:
         """Apply a ``read`` record: ``covered`` are the tasks the read named (all for None)."""
+        taken: list[ReadyGroup] = []
         if header["t"] is None and "ts" not in header:
             # Recorded before a read could pass groups over: each group it took was a head.
             for seq in header["seqs"]:
                 task = next(task for task in covered if task.ready and task.ready[0].seq == seq)
-                self.total_read += len(task.take_ready([seq])[0].items)
+                taken.extend(task.take_ready([seq]))
         else:
             names = header.get("ts") or [header["t"]] * len(header["seqs"])
             by_task: dict[str, list[int]] = {}
             for name, seq in zip(names, header["seqs"], strict=True):
                 by_task.setdefault(name, []).append(seq)
             for name, seqs in by_task.items():
-                self.total_read += sum(len(group.items) for group in tasks[name].take_ready(seqs))
+                taken.extend(tasks[name].take_ready(seqs))
+        self.total_read += sum(len(group.items) for group in taken)
         for task in covered:
             task.close_window()
         self.reads = header["id"]
+        if "pool" in header:
+            self.pool.replay(
+                header["pool"], {group.seq: group for group in taken}, header["at"], header["id"]
+            )
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Take the counters from a snapshot's ``state`` record."""

@@ -17,13 +17,15 @@ With a store attached (``attach``; ``buffer.store.base.Store``), every change is
 it under the lock, in the order it was made: a write (``w``), a group's outcome (``fin``), a
 read (``read``), a task's settings (``task``), a duplicate (``dup``), the jobs' records.
 ``restore`` replays them through the same code; ``snapshot`` writes the state out as records
-(``open``, ``ready``, ``aside``, ``task_state``, ``state``) that ``restore`` reads back the
-same way. Extensions (the gateway's sessions) keep their own records beside these
-(``add_extension``, ``log_event``).
+(``open``, ``ready``, ``aside``, ``task_state``, ``state``, the replay pool's ``pool``) that
+``restore`` reads back the same way. Extensions (the gateway's sessions) keep their own
+records beside these (``add_extension``, ``log_event``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import threading
 import time
@@ -39,6 +41,7 @@ from buffer.core.ledger import KINDS as JOB_KINDS
 from buffer.core.ledger import JobLedger, Log
 from buffer.core.reads import ReadPath, ReadResult
 from buffer.core.records import Event, encode, refuse_non_finite
+from buffer.core.replay_pool import ReplaySettings
 from buffer.core.task import InstanceId, ReadyGroup, Record, SetAsideGroup, Tally, TaskBuffer, TaskSettings
 from buffer.core.writes import Recent, WritePath, WriteResult
 from buffer.errors import InvalidInput, StorageFailed, TooManyTasks
@@ -76,6 +79,7 @@ class RolloutBuffer:
         max_tasks: int = 0,
         one_group_per_instance: bool = True,
         strict_tasks: bool = False,
+        replay: ReplaySettings | None = None,
     ) -> None:
         """``hooks_for`` gives the hooks of a task first met through a write, or restored,
         by the name of its generator; ``dedup_window`` bounds how many uids of trajectories no
@@ -84,7 +88,8 @@ class RolloutBuffer:
         start that would create a task past ``max_tasks`` (0: no limit) raises ``TooManyTasks``;
         ``one_group_per_instance``: a read returns at most one group of each ``instance_id``;
         with ``strict_tasks`` a write to a task never configured (``configure_task``, or
-        restored) is refused rather than grouped by the default settings."""
+        restored) is refused rather than grouped by the default settings; ``replay``: the
+        replay pool's settings (``buffer.core.replay_pool``; default off)."""
         self.strict_tasks = strict_tasks
         #: Called (under the lock: keep it short) with the task and each new trajectory as written.
         self.write_observers: list[Callable[[str, Mapping[str, Any]], None]] = []
@@ -107,10 +112,12 @@ class RolloutBuffer:
         self._extensions: dict[str, Extension] = {}
         self._unclaimed: list[bytes] = []  # events of extensions not added: a compaction keeps them
         #: The trainer's policy version, the gate of in-process generators, their admissions.
-        self.policy = Policy()
+        self.policy = Policy(outcomes=self.group_outcomes)
+        self.write_observers.append(self.policy.written)  # a group made in full: admission may go on
         self._writes = WritePath(dedup_window, recent)
-        self._reads = ReadPath(self.policy, wall_clock)
+        self._reads = ReadPath(self.policy, wall_clock, replay)
         self._ledger = JobLedger()
+        self._capturing = False  # a snapshot's records being read (``snapshot``)
 
     # -- what the parts own, read here ---------------------------------------------------
 
@@ -280,6 +287,7 @@ class RolloutBuffer:
         max_items: int | None = None,
         *,
         mix: Mapping[str, float] | None = None,
+        replay_ratio: float = 0.0,
     ) -> ReadResult:
         """Take ready groups, oldest first, whole: as many as fit in ``max_items`` (all when
         ``None``) but at least one. With ``one_group_per_instance``, a later group of an
@@ -289,14 +297,18 @@ class RolloutBuffer:
 
         ``mix`` (task: weight), or the tasks' own weights when no ``task_type`` is named and a
         task has one, shares the read between tasks (``buffer.core.reads.choose_mixed``).
-        Groups past their task's ``max_staleness`` are set aside first, never served."""
+        Groups past their task's ``max_staleness`` are set aside first, never served.
+        ``replay_ratio``: the share of the groups returned that may be served again from the
+        replay pool (``buffer.core.replay_pool``; a 422 while the pool is off)."""
         with self._lock:
             journal = self._journal
             if journal is not None and journal.failing is not None:
                 raise StorageFailed(journal.failing)  # nothing is taken that could not be kept
             tasks = self._covered(task_type) if mix is None else [self._task(name) for name in mix]
             self._expire(tasks)
-            return self._reads.read(tasks, task_type, max_items, mix, self.one_group_per_instance, journal)
+            return self._reads.read(
+                tasks, task_type, max_items, mix, self.one_group_per_instance, journal, replay_ratio
+            )
 
     def peek(self, task_type: str | None = None, max_items: int | None = None) -> list[ReadyGroup]:
         """The groups a read would return, left in place."""
@@ -319,6 +331,17 @@ class RolloutBuffer:
             if task is None:
                 return 0
             return task.delivered_groups + sum(task.discarded.values()) + task.set_aside_total
+
+    def group_outcomes(self, task_type: str) -> tuple[int, int, int]:
+        """The task's groups made in full: (ready to read; kept by the filters, ever: served,
+        ready or set aside stale; dropped by them or a hook); admission's keep-rate."""
+        with self._lock:
+            task = self._tasks.get(task_type)
+            if task is None:
+                return 0, 0, 0
+            stale = task.discarded.get(read_path.STALE, 0)
+            kept = task.delivered_groups + len(task.ready) + stale
+            return len(task.ready), kept, sum(task.discarded.values()) - stale + task.set_aside_total
 
     def expire(self) -> int:
         """Finish every group that has timed out, in every task; returns how many."""
@@ -344,6 +367,16 @@ class RolloutBuffer:
     def _notify(self) -> None:
         for listener in self._listeners:
             listener()
+
+    @property
+    def replay_enabled(self) -> bool:
+        """Whether the replay pool is on (``--replay-capacity``): a read may ask for replay."""
+        return self._reads.pool.enabled
+
+    def replay_pool(self) -> dict[str, Any]:
+        """The replay pool's counters (``ReplayPool.counters``), for ``/metrics``."""
+        with self._lock:
+            return self._reads.pool.counters()
 
     def set_aside(self, task_type: str | None = None) -> list[SetAsideGroup]:
         with self._lock:
@@ -520,6 +553,8 @@ class RolloutBuffer:
             pass
         elif kind == "read":
             self._reads.replay_read(header, self._covered(header["t"]), self._tasks)
+        elif kind == "pool":  # a snapshot's replay pool entry
+            self._reads.pool.restore(event)
         elif kind in JOB_KINDS:
             self._ledger.apply(header, self._task, self._tasks)
         elif kind == "task":
@@ -558,13 +593,22 @@ class RolloutBuffer:
             await self._journal.wait_durable()
 
     def snapshot(self) -> tuple[int, Iterator[bytes]]:
-        """The store's position and the records of the state as of it: the references are
-        copied under the lock, the encoding happens as they are read."""
+        """The store's position and the records of the state as of it. Under the lock, with
+        the collector paused: O(1) per task for its open groups (captured, not copied:
+        ``core.open_table``) and copies of pointers for the rest, nothing per group; the records
+        are made and encoded as they are read, outside the lock. Once they are read (or the
+        iterator closed or dropped), what changed meanwhile is folded back into the open
+        groups, a slice per hold of the lock. One capture at a time."""
         assert self._journal is not None
-        with self._lock:
+        self._fold_captures()  # what a former capture left
+        with self._lock, _collector_paused():
+            if self._capturing:
+                raise RuntimeError("a snapshot of the buffer is being read already")
+            self._capturing = True
             position = self._journal.position()
             offset = self._wall_clock() - self._clock()
-            tasks = [task.snapshot(lambda monotonic: monotonic + offset) for task in self._tasks.values()]
+            tasks = list(self._tasks.values())
+            encoders = [task.snapshot(lambda monotonic: monotonic + offset) for task in tasks]
             state = {
                 "e": "state",
                 "current": self._current_task,
@@ -572,16 +616,50 @@ class RolloutBuffer:
                 "total_read": self._reads.total_read,
                 "reads": self._reads.reads,
                 **self._writes.state(),
-                "jobs": self._ledger.snapshot(self._tasks),
             }
+            jobs = self._ledger.snapshot(self._tasks)
             extensions = [extension.snapshot() for extension in self._extensions.values()]
             extensions.append(iter(list(self._unclaimed)))
+            extensions.append(self._reads.pool.snapshot())  # the replay pool's entries
 
         def records() -> Iterator[bytes]:
-            for task in tasks:
-                yield from task()
-            yield encode(state)
-            for extension in extensions:
-                yield from extension
+            try:
+                yield b""  # taken below: from then on, closing the iterator ends the capture
+                for encoder in encoders:
+                    yield from encoder()
+                yield encode({**state, "jobs": jobs()})
+                for extension in extensions:
+                    yield from extension
+            finally:
+                with self._lock:
+                    for task in tasks:
+                        task.release_capture()
+                    self._capturing = False
+                self._fold_captures()
 
-        return position, records()
+        stream = records()
+        next(stream)
+        return position, stream
+
+    def _fold_captures(self) -> None:
+        """Fold what changed during a capture back into the tasks' open groups, a slice per
+        task per hold of the lock (``TaskBuffer.fold_capture``)."""
+        more = True
+        while more:
+            with self._lock:
+                more = False
+                for task in self._tasks.values():
+                    more = task.fold_capture() or more
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """No cyclic collection meanwhile: one would stop every thread for as long as the heap is
+    large (a second and more at a million buffered trajectories), here while the lock is held."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -96,6 +96,7 @@ class BufferCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self._buffer_metrics(self._buffer.stats())
+        yield from _replay_metrics(self._buffer.replay_pool())
         yield self._logprobs_metric()
         yield from self._job_metrics()
         yield from policy_metrics(PREFIX, self._buffer.policy.snapshot())
@@ -243,6 +244,28 @@ class BufferCollector(Collector):
         for task, (count, total) in sorted(response_tokens.items()):
             lengths.add_metric([task], count, total)
         yield lengths
+
+
+def _replay_metrics(pool: dict[str, Any]) -> Iterator[Metric]:
+    """The replay pool's (``buffer.core.replay_pool``): none while it is off and empty."""
+    if not pool["capacity"] and not pool["groups"]:
+        return
+    size = _gauge("replay_pool_groups", "Groups the replay pool keeps now")
+    for task, count in sorted(pool["groups"].items()):
+        size.add_metric([task], count)
+    replayed = _counter("groups_replayed", "Groups reads served again from the replay pool")
+    for task, count in sorted(pool["replayed"].items()):
+        replayed.add_metric([task], count)
+    dropped = _counter(
+        "replay_pool_dropped",
+        "Groups that left the replay pool, by reason: lag (past --replay-max-lag), uses "
+        "(--replay-max-uses), capacity (a better group took its place)",
+        ["task", "reason"],
+    )
+    for task, reasons in sorted(pool["dropped"].items()):
+        for reason, count in sorted(reasons.items()):
+            dropped.add_metric([task, reason], count)
+    yield from (size, replayed, dropped)
 
 
 def build_registry(buffer: RolloutBuffer, jobs: JobManager) -> CollectorRegistry:

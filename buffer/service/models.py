@@ -417,7 +417,7 @@ def _is_message(message: Any) -> bool:
 
 
 def _is_turn(turn: Any) -> bool:
-    if type(turn) is not dict or not all(_fits(v) for k, v in turn.items() if k not in _TOKEN_LISTS):
+    if type(turn) is not dict:
         return False
     get = turn.get
     if not (_are_ids(get("prompt_ids")) and _are_ids(get("output_ids"))):
@@ -425,6 +425,14 @@ def _is_turn(turn: Any) -> bool:
     logprobs = get("output_logprobs")
     if logprobs is not None and not _packs(logprobs, "d", _BOOLEAN_FLOATS):
         return False
+    return turn_fields_ok(turn)
+
+
+def turn_fields_ok(turn: dict[str, Any]) -> bool:
+    """Whether a turn's fields but its token lists (``_TOKEN_LISTS``) are as the schema takes them."""
+    if not all(_fits(v) for k, v in turn.items() if k not in _TOKEN_LISTS):
+        return False
+    get = turn.get
     if "prompt_offset" in turn and not _is_count(turn["prompt_offset"]):
         return False
     kind, version, sampling = get("logprobs"), get("weight_version"), get("sampling")
@@ -586,6 +594,14 @@ class GetRolloutDataRequest(BaseModel):
         None,
         min_length=1,
         description='share the read between these tasks by weight, e.g. {"math": 3, "code": 1}',
+    )
+    replay_ratio: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="the share of the groups returned that may be served again from the replay pool "
+        "(--replay-capacity), marked extra_info.replay; 0: fresh groups only",
     )
 
     @field_validator("batch_size")

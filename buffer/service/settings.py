@@ -10,6 +10,7 @@ from pydantic import AfterValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, CliImplicitFlag, SettingsConfigDict
 
 from buffer import paths
+from buffer.core.replay_pool import ReplaySettings
 from buffer.core.task import TaskSettings
 from buffer.logs import LogFormat
 
@@ -125,6 +126,22 @@ class Settings(BaseSettings):
         "next read (slime's trainer merges one read's groups by instance_id and fails on two); "
         "--no-one-group-per-instance returns every ready group in order",
     )
+    replay_capacity: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="keep up to this many good groups (filtered, rewards not all equal) after their read, "
+        "for a /get_rollout_data replay_ratio to serve again beside fresh ones; 0: the replay pool is off",
+    )
+    replay_max_uses: int = Field(
+        2, ge=1, description="with --replay-capacity, a group leaves the pool once replayed this many times"
+    )
+    replay_max_lag: int = Field(
+        4,
+        ge=0,
+        description="with --replay-capacity, a group more than this many policy versions behind the "
+        "trainer's is never replayed and leaves the pool",
+    )
     allowed_origins: list[str] = Field(
         [],
         description="web origins (https://host:port, or * for any) whose pages may POST to the service; "
@@ -179,6 +196,12 @@ class Settings(BaseSettings):
         "other *_url fields; this service is always allowed); default: any host",
         json_schema_extra={"metavar": "HOST"},
     )
+    gateway_url: list[str] = Field(
+        default_factory=list,
+        description="a gateway process (rollout-buffer gateway) POST /sessions hands new sessions to, "
+        "in turn; repeat for each (default: the sessions are served by this service)",
+        json_schema_extra={"metavar": "URL"},
+    )
     send_api_key_to: list[str] = Field(
         default_factory=list,
         description="hosts a job's remote_buffer_url may name to be sent this service's own API key; "
@@ -231,6 +254,9 @@ class Settings(BaseSettings):
 
     def default_task_settings(self) -> TaskSettings:
         return TaskSettings(group_size=self.group_size, group_timeout_s=self.group_timeout_seconds)
+
+    def replay_settings(self) -> ReplaySettings:
+        return ReplaySettings(self.replay_capacity, self.replay_max_uses, self.replay_max_lag)
 
     def input_folders(self) -> list[Path]:
         """``input_roots``, or by default the generator folder's ``data`` and the working folder,

@@ -27,7 +27,8 @@ takes (``RolloutFnTrainOutput`` of ``rollout_batch_size`` groups, ``RolloutFnEva
   ``rollout_buffer_pause`` set ("abort" or "drain") pauses generation once the step's batch
   is read, so no engine request starts while slime trains and syncs the weights; the next
   call resumes it at the new version. ``rollout_buffer_max_staleness`` is the task's
-  ``max_staleness``.
+  ``max_staleness``; ``rollout_buffer_replay_ratio`` the share of each read the buffer's replay
+  pool may serve again (its trajectories keep their rollout logprobs and versions).
 
 ``--rollout-top-p`` other than 1 is refused up front: slime then replays the engine's top-p
 token sets in training, which the buffer's trajectories do not carry, and would fail its
@@ -36,6 +37,7 @@ assertion only after a step's rollout.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -166,6 +168,13 @@ def add_arguments(parser: Any) -> Any:
         help="the task's max_staleness: admit trajectories at most this many policy versions old",
     )
     group.add_argument(
+        "--rollout-buffer-replay-ratio",
+        type=_replay_ratio,
+        default=0.0,
+        help="the share of each step's groups the buffer may serve again from its replay pool "
+        "(the service started with --replay-capacity); 0: fresh groups only",
+    )
+    group.add_argument(
         "--rollout-num-process",
         type=int,
         default=None,
@@ -177,6 +186,16 @@ def add_arguments(parser: Any) -> Any:
         help="the buffer's API key (its --api-key)",
     )
     return parser
+
+
+def _replay_ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a share of each read, at least 0 and below 1")
+    return value
 
 
 def _differs(default: Any) -> Any:
@@ -489,7 +508,13 @@ def _fetch(args: Any, rollout_id: int, data_source: Any, session: _Session, coun
         # Only what the step still needs: groups read ahead would age in the data source,
         # past the buffer's staleness bound, and the buffer learns the batch size it serves.
         wanted = (args.rollout_batch_size - held) * n
-        batch = session.client.get_rollout_data(wanted, task_type=args.rollout_task_type, wait_s=WAIT_S)
+        # The replay ratio only when one is set: a buffer without the pool knows no such field.
+        replay = (
+            {"replay_ratio": ratio} if (ratio := getattr(args, "rollout_buffer_replay_ratio", None)) else {}
+        )
+        batch = session.client.get_rollout_data(
+            wanted, task_type=args.rollout_task_type, wait_s=WAIT_S, **replay
+        )
         if batch.finished_groups:
             recorded = list((data_source.get_metadata() or {}).get(str(rollout_id), []))
             data_source.update_metadata({str(rollout_id): recorded + batch.finished_groups})

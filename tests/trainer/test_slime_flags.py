@@ -167,7 +167,7 @@ def test_slime_registers_none_of_the_adapters_flags() -> None:
     text = source.read_text()
     parser = slime_rollout.add_arguments(argparse.ArgumentParser())
     ours = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--r")]
-    assert len(ours) == 4
+    assert len(ours) == 5
     assert [flag for flag in ours if f'"{flag}"' in text] == []
 
 

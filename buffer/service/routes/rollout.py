@@ -11,8 +11,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from buffer.core.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE
+from buffer.core.reads import REPLAY_OFF
 from buffer.core.registry import Generator
 from buffer.core.task import TaskSettings
+from buffer.errors import InvalidInput
 from buffer.service.engine_check import engine_urls, unreachable
 from buffer.service.jobs import Job
 from buffer.service.models import GetRolloutDataRequest, StartRolloutRequest, check_storable
@@ -156,10 +158,12 @@ async def get_rollout_data(
     svc.check_task(body.task_type)
     for task_type in body.mix or ():
         svc.check_task(task_type)
+    if body.replay_ratio and not svc.buffer.replay_enabled:  # before any wait: the answer is known
+        raise InvalidInput.one("replay_ratio", REPLAY_OFF)
     if body.wait_s and not await svc.wait_for_items(request, body.task_type, 1, body.wait_s):
         return Response(status_code=499)  # the client has gone: read nothing it would lose
     max_items = None if body.batch_size in (None, -1) else body.batch_size
-    result = svc.buffer.read(body.task_type, max_items, mix=body.mix)
+    result = svc.buffer.read(body.task_type, max_items, mix=body.mix, replay_ratio=body.replay_ratio)
     await svc.buffer.wait_durable()  # a group handed out is never handed out again, even after a crash
     items = [item for group in result.groups for item in group.items]
     if not result.groups:

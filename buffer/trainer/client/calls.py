@@ -83,7 +83,9 @@ def start_rollout(task_type: str, restart: bool, payload: dict[str, Any]) -> Cal
     return Call("POST", "/start_rollout", _parse_started(task_type), body)
 
 
-def get_rollout_data(batch_size: int | None, task_type: str | None, wait_s: float) -> Call[RolloutBatch]:
+def get_rollout_data(
+    batch_size: int | None, task_type: str | None, wait_s: float, replay_ratio: float = 0.0
+) -> Call[RolloutBatch]:
     body: dict[str, Any] = {}
     if batch_size is not None:
         body["batch_size"] = batch_size
@@ -91,6 +93,8 @@ def get_rollout_data(batch_size: int | None, task_type: str | None, wait_s: floa
         body["task_type"] = task_type
     if wait_s > 0:
         body["wait_s"] = round(wait_s, 3)
+    if replay_ratio:
+        body["replay_ratio"] = replay_ratio
     return Call("POST", "/get_rollout_data", _parse_batch, body, wait_s)
 
 

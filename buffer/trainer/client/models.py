@@ -24,6 +24,12 @@ class RolloutBatch(BaseModel):
         return bool(self.items)
 
     @property
+    def replayed(self) -> int:
+        """How many of the groups (the last ones) the replay pool served again: each of their
+        trajectories says ``extra_info.replay``."""
+        return int(self.meta_info.get("replayed") or 0)
+
+    @property
     def finished_groups(self) -> list[Any]:
         """Instance ids of the groups returned or discarded since the previous read (for resumes)."""
         return list(self.meta_info.get("finished_groups") or [])

@@ -64,15 +64,21 @@ class RolloutBufferClient(ClientBase):
         return self._call(calls.start_rollout(task_type, restart, payload))
 
     def get_rollout_data(
-        self, batch_size: int | None = None, task_type: str | None = None, wait_s: float = 0.0
+        self,
+        batch_size: int | None = None,
+        task_type: str | None = None,
+        wait_s: float = 0.0,
+        replay_ratio: float = 0.0,
     ) -> RolloutBatch:
         """Whole ready groups, at most ``batch_size`` items (at least one group); with ``wait_s``,
-        wait up to that long for some. An empty batch when nothing came in time."""
+        wait up to that long for some. An empty batch when nothing came in time. With
+        ``replay_ratio`` (the service started with ``--replay-capacity``), up to that share of
+        the groups are served again from the replay pool (``RolloutBatch.replayed``)."""
         poll = LongPoll(wait_s)
         while True:
             asked_s = poll.next_wait_s()
             sent_at = time.monotonic()
-            batch = self._call(calls.get_rollout_data(batch_size, task_type, asked_s))
+            batch = self._call(calls.get_rollout_data(batch_size, task_type, asked_s, replay_ratio))
             if batch.success:
                 return batch
             pause_s = poll.pause_s(asked_s, time.monotonic() - sent_at)
