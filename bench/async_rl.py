@@ -10,11 +10,14 @@ Printed (``--json`` for one JSON object): the largest lag served, stale and filt
 (``stale_share``: the groups made in full and then set aside as stale, over all made in full;
 ``cancelled_stale_groups``: those cancelled in flight instead, nothing of them written),
 failed / refused / left-aborted trajectories (lost ones), aborted replies served, whether every
-step got a full batch, and ``generation_vs_ideal``: the mean number of engine requests in flight
-while generation was not paused, over ``ideal_in_flight`` (``--num-process``, or the samples of
-as many groups as admission lets be pending, when fewer: 1.0, the engines were never left idle
-between pauses while the trainer wanted more). Run as ``python bench/async_rl.py``; the README's
-figures come from it.
+step got a full batch, and where the engines' time went between pauses: ``slot_breakdown``
+splits the slots' open time (``--num-process`` x seconds not paused) into requests at the
+engine, samples holding a slot off the engine (reward, write), and free slots by what the run
+waited on: admission's round trip, the staleness bound (no room), the plan's claims, other
+(``buffer.policy.slots``). ``generation_vs_slots``: the engine share of it all (mean requests
+in flight over ``--num-process``); ``generation_vs_ideal``: the engine share of what the bound
+left, ``engine / (1 - staleness_bound)`` (1.0: no slot idle while the trainer would have taken
+another group in time). Run as ``python bench/async_rl.py``; the README's figures come from it.
 """
 
 from __future__ import annotations
@@ -186,8 +189,7 @@ def _trainer(
     admission = policy["admission"].get("math") or {}
     # Every group made in full: served, discarded (filtered or stale), or still ready at the end.
     generated = served_groups + sum(discarded.values()) + stats.get("ready_groups", 0)
-    # The engines' ideal: every slot busy, or as many as the trainer's demand admits at once.
-    ideal = min(num_process, (admission.get("capacity") or num_process) * group_size)
+    slots = _slot_breakdown(progress)
     return {
         "steps": steps,
         "max_staleness": max_staleness,
@@ -216,19 +218,49 @@ def _trainer(
         "trajectories_left_aborted": progress.get("aborted"),
         "paused_s": progress.get("gate_paused_s", gate["paused_s"]),
         "open_s": progress.get("gate_open_s", gate["open_s"]),
-        "generation_vs_ideal": _vs_ideal(gate, progress, ideal),
-        "ideal_in_flight": ideal,
+        "generation_vs_slots": _vs_slots(gate, progress, num_process),
+        "generation_vs_ideal": _vs_admitted(slots),
+        "slot_breakdown": slots,
         "mean_step_s": round(sum(step_s) / len(step_s), 4) if step_s else None,
         "admission": admission,
     }
 
 
-def _vs_ideal(gate: dict[str, Any], progress: dict[str, Any], num_process: int) -> float:
-    """Mean engine requests in flight while open, over the ideal: from the generator's own
+def _vs_slots(gate: dict[str, Any], progress: dict[str, Any], num_process: int) -> float:
+    """Mean engine requests in flight while open, over ``num_process``: from the generator's own
     gate when it runs in a worker process (its progress), else from the service's."""
     if progress.get("gate_open_s"):
         return round(progress["gate_busy_s"] / progress["gate_open_s"] / num_process, 4)
     return round(gate["mean_in_flight_open"] / num_process, 4)
+
+
+def _vs_admitted(slots: dict[str, float]) -> float | None:
+    """The slots' open time at the engine, over the open time the staleness bound left them
+    (not free for want of room): 1.0, no slot idle while the trainer would take more in time."""
+    if not slots or slots["staleness_bound"] >= 1:
+        return None
+    return round(slots["engine"] / (1 - slots["staleness_bound"]), 4)
+
+
+def _slot_breakdown(progress: dict[str, Any]) -> dict[str, float]:
+    """The share of the slots' open time (``--num-process`` x seconds not paused) each spent:
+    at the engine, held by a sample off the engine (its reward, its write, between requests),
+    free while waiting on admission's round trip, free while the staleness bound had no room,
+    free otherwise (``buffer.policy.slots``)."""
+    slots = progress.get("slot_s") or {}
+    total = slots.get("open") or 0.0
+    if not total:
+        return {}
+    engine = progress.get("gate_busy_s", 0.0)
+    parts = {
+        "engine": engine,
+        "sample_off_engine": slots["held"] - engine,
+        "admission_round_trip": slots["admission"],
+        "staleness_bound": slots["bound"],
+        "plan_claims": slots.get("plan", 0.0),
+        "other_free": slots["other"],
+    }
+    return {name: round(value / total, 4) for name, value in parts.items()}
 
 
 def main() -> None:

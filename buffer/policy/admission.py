@@ -16,26 +16,93 @@ is stale and it is 0: at most ``(S + 1) * batch_groups`` pending, as before.
 
 ``batch_groups`` is the trainer's batch: declared (``rollout_batch_size`` on ``/start_rollout``
 or ``POST /policy``; slime's adapter sends it), else its largest read; before either, a first
-guess (the job's ``num_process`` in groups) that the first read replaces. A group the dynamic
-filter drops stops being pending at once and another is admitted in its place: generation
-over-samples by exactly what the filter discards, at its measured rate, and no more. A
-group the generator cancelled as stale in flight (``buffer.policy.stale``), nothing of it
-written, stops being pending when the generator says so (``report_cancelled``).
+guess (the job's ``num_process`` in groups) that the first read replaces.
+
+What counts is the groups that will be *served*: a group in flight is served only if the filters
+(zero variance, ``is_valid_group``, a hook) keep it, so it counts as the measured keep-rate
+``k`` (groups kept over groups made in full, the last ``KEEP_WINDOW``; 1 before any is made,
+at least ``KEEP_FLOOR``), a ready group as 1, and a group is admitted while::
+
+    ready + (in_flight + 1) * k + served_at_this_version <= (max_staleness + 1) * batch_groups
+
+A filter that drops half the groups doubles what may be in flight (at most ``1 / KEEP_FLOOR``
+times the need); one that keeps all leaves it the need. A dropped group stops being pending
+at once. A group the generator cancelled as stale in flight (``buffer.policy.stale``), nothing
+of it written, stops being pending when the generator says so (``report_cancelled``).
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
 from buffer.signal import Signal
 
+#: The keep-rate is measured over the last this many groups made in full.
+KEEP_WINDOW = 64
+#: ... and taken as at least this: what may be in flight is at most 1 / KEEP_FLOOR times the need.
+KEEP_FLOOR = 0.25
+#: How many standard deviations of the count kept are left free: more groups kept than the
+#: keep-rate says would be served late, stale (a binomial count; 1.5: about 1 time in 15).
+KEEP_MARGIN_SD = 1.5
+#: Outcomes of a task's groups made in full, as totals: (ready, kept, dropped) (``group_outcomes``).
+Outcomes = Callable[[], tuple[int, int, int]]
+
+
+class KeepRate:
+    """The share of a task's groups made in full that its filters keep, over the last ``window``."""
+
+    def __init__(self, window: int = KEEP_WINDOW, floor: float = KEEP_FLOOR) -> None:
+        self.floor = floor
+        self._recent: deque[bool] = deque(maxlen=window)
+        self._seen: tuple[int, int] | None = None  # the totals last observed: counted from there
+
+    def observe(self, kept: int, dropped: int) -> None:
+        """The task's totals now: the groups kept and dropped since the last call join the window."""
+        if self._seen is not None:
+            new_kept, new_dropped = max(0, kept - self._seen[0]), max(0, dropped - self._seen[1])
+            size = self._recent.maxlen or 0
+            if new_kept + new_dropped > size:  # more than the window at once: in proportion
+                new_kept = round(size * new_kept / (new_kept + new_dropped))
+                new_dropped = size - new_kept
+            self._recent.extend([False] * new_dropped)
+            self._recent.extend([True] * new_kept)
+        self._seen = (kept, dropped)
+
+    @property
+    def measured(self) -> int:
+        return len(self._recent)
+
+    @property
+    def rate(self) -> float:
+        """Kept over made in full in the window; 1 before any group is made, never below the floor."""
+        if not self._recent:
+            return 1.0
+        return max(self.floor, sum(self._recent) / len(self._recent))
+
+
+def in_flight_at_most(free: float, keep_rate: float) -> int:
+    """The most groups ``n`` that may be in flight when ``free`` more may be served: those kept
+    of ``n``, ``n k`` on average, plus ``KEEP_MARGIN_SD`` standard deviations ``sqrt(n k (1 - k))``,
+    fit in ``free`` (the larger root of ``k x^2 + z sqrt(k (1 - k)) x - free`` for ``x = sqrt(n)``)."""
+    if free <= 0:
+        return 0
+    k = keep_rate
+    spread = KEEP_MARGIN_SD * math.sqrt(k * (1 - k))
+    root = (-spread + math.sqrt(spread * spread + 4 * k * free)) / (2 * k)
+    return math.floor(root * root + 1e-9)
+
 
 class Admits(Protocol):
     """What a generator awaits before each group: ``Admission``, or ``RemoteAdmission``."""
 
-    async def admit(self) -> None: ...
+    async def admit(self, want: int = 1) -> float:
+        """Wait until one more group may start; returns the seconds it waited for room. ``want``:
+        how many the generator could start now (one answer may admit them all)."""
 
     def cancelled(self, groups: int) -> None:
         """``groups`` more of the admitted groups were cancelled, nothing of them written."""
@@ -54,6 +121,7 @@ class Admission:
         *,
         declared: bool = False,
         versioned: bool = False,
+        outcomes: Outcomes | None = None,
     ) -> None:
         self.max_staleness = max_staleness
         self.batch_groups = max(1, batch_groups)
@@ -73,6 +141,11 @@ class Admission:
         self.waits = 0
         #: Groups cancelled as stale in flight, by who cancelled them (each reports its total).
         self._cancelled: dict[str, int] = {}
+        #: The task's groups made in full, by outcome (None: every group pending counts as served).
+        self._outcomes = outcomes
+        self.keep = KeepRate()
+        if outcomes is not None:
+            self.keep.observe(*outcomes()[1:])  # counted from now
 
     @property
     def capacity(self) -> int | None:
@@ -98,25 +171,44 @@ class Admission:
         served = self._served() - self._served_base
         return 0 if served <= 0 else (served - 1) % self.batch_groups + 1
 
-    def try_admit(self) -> bool:
+    def _room(self, capacity: int, consumed: int, served: int, outcomes: tuple[int, int, int]) -> int:
+        """How many more groups fit: those ready count as served, those in flight as the
+        keep-rate ``k`` each, and ``KEEP_MARGIN_SD`` standard deviations of how many of them are
+        kept are left free (more kept than ``k`` says would go stale)."""
+        ready, kept, dropped = outcomes
+        if self._outcomes is not None:
+            self.keep.observe(kept, dropped)
+        pending = max(0, self.admitted - (consumed - self._baseline) - self.cancelled_stale)
+        ready = min(ready, pending)
+        return max(0, in_flight_at_most(capacity - served - ready, self.keep.rate) - (pending - ready))
+
+    def _counts(self) -> tuple[int, int, tuple[int, int, int]]:
+        """The buffer's counts admission needs: asked before taking this admission's lock (a
+        read tells ``saw_read`` holding the buffer's lock: one order of the two locks only)."""
+        outcomes = self._outcomes() if self._outcomes is not None else (0, 0, 0)
+        return self._consumed(), self.served_at_version(), outcomes
+
+    def try_admit(self, groups: int = 1) -> int:
+        """Admit up to ``groups`` groups now; how many were."""
+        counts = self._counts()
         with self._lock:
             capacity = self.capacity
-            if capacity is not None and self.outstanding() + self.served_at_version() >= capacity:
-                return False
-            self.admitted += 1
-            return True
+            admitted = groups if capacity is None else min(groups, self._room(capacity, *counts))
+            self.admitted += admitted
+            return admitted
 
-    async def admit(self) -> None:
-        """Wait until one more group may start, and count it."""
-        waited = False
+    async def admit(self, want: int = 1) -> float:
+        """Wait until one more group may start, and count it; returns the seconds it waited
+        (``want`` is no matter here: asking again costs no round trip)."""
+        began: float | None = None
         while True:
             ticket = self._signal.ticket()  # before the check: a notify cannot slip past
             if self.try_admit():
                 ticket.cancel()
-                return
-            if not waited:
+                return 0.0 if began is None else time.monotonic() - began
+            if began is None:
                 self.waits += 1
-                waited = True
+                began = time.monotonic()
             await ticket.wait(1.0)
 
     def cancelled(self, groups: int) -> None:
@@ -159,7 +251,11 @@ class Admission:
         """Something left the buffer: a waiting generator may go on."""
         self._signal.notify()
 
-    def snapshot(self) -> dict[str, int | bool | None]:
+    def snapshot(self) -> dict[str, float | int | bool | None]:
+        if self._outcomes is not None:
+            outcomes = self._outcomes()
+            with self._lock:
+                self.keep.observe(*outcomes[1:])
         return {
             "max_staleness": self.max_staleness,
             "batch_groups": self.batch_groups,
@@ -168,6 +264,8 @@ class Admission:
             "admitted": self.admitted,
             "outstanding": self.outstanding(),
             "served_at_version": self.served_at_version(),
+            "keep_rate": round(self.keep.rate, 4),
+            "keep_measured": self.keep.measured,
             "cancelled_stale": self.cancelled_stale,
             "waits": self.waits,
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import functools
 import threading
 import time
 from collections import Counter
@@ -46,9 +47,16 @@ class Policy:
     ``version`` stays None until the trainer first says one; until then nothing is stale and
     no lag is measured (a trainer that never calls ``/policy`` sees the buffer as before)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        outcomes: Callable[[str], tuple[int, int, int]] | None = None,
+    ) -> None:
         self._lock = threading.Lock()
         self._clock = clock
+        #: A task's groups made in full, by outcome (the buffer's ``group_outcomes``): admission's
+        #: keep-rate. None: every group pending is counted as one the trainer will be served.
+        self._outcomes = outcomes
         self.version: int | None = None
         self.gate = Gate(clock)
         self.mode: PauseMode | None = None
@@ -101,6 +109,7 @@ class Policy:
             closed = self.gate.pause()
             if closed:
                 self.pauses += 1
+        self.notify()  # what is admitted now starts under the next version: room for a batch more
         self.changed.notify()
         return closed
 
@@ -247,6 +256,7 @@ class Policy:
                 lambda: self.gate.paused,
                 declared=declared,
                 versioned=self.version is not None,
+                outcomes=None if self._outcomes is None else functools.partial(self._outcomes, task_type),
             )
             if batch_groups is not None and not declared:
                 admission._guess = False  # learnt from the trainer's reads
@@ -280,6 +290,13 @@ class Policy:
 
     def notify(self) -> None:
         for admission in list(self.admissions.values()):
+            admission.notify()
+
+    def written(self, task_type: str, item: Mapping[str, Any]) -> None:
+        """A trajectory of ``task_type`` was written (a buffer's write observer): the group it
+        finished may have been kept or dropped, which changes what admission lets start."""
+        admission = self.admissions.get(task_type)
+        if admission is not None:
             admission.notify()
 
     # -- reads ---------------------------------------------------------------------------

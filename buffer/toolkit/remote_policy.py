@@ -36,40 +36,55 @@ WATCH_S = 30.0
 class RemoteAdmission:
     """``Admission.admit`` over HTTP; stops asking once the service says there is no bound.
 
-    The next group's admission is asked for as soon as one is granted, so a round trip to
-    the service is not paid between one group and the next (the service counts it as
+    One ask admits as many groups as the run has slots free for (``want``): after a pause
+    every slot is free, and a round trip a group would keep them idle in turn. The next
+    group's admission is asked for as soon as the last granted is taken, so a round trip is
+    not paid between one group and the next either (the service counts what it granted as
     outstanding from then: the bound holds)."""
 
     def __init__(self, client: httpx.AsyncClient, task_type: str, worker: str = "") -> None:
         self._client = client
         self._task_type = task_type
         self.bounded = True
-        self._next: asyncio.Task[None] | None = None
+        self._next: asyncio.Task[float] | None = None
+        self._granted = 0  # groups admitted by the service, not yet taken by the run
+        self._several = True  # the service admits several groups an ask (``groups``)
         #: Groups cancelled as stale in flight, said with each ask (a total: said twice, counted once).
         self._worker = worker or uuid.uuid4().hex
         self._cancelled = 0
         self._report: asyncio.Task[None] | None = None
 
-    async def admit(self) -> None:
-        if not self.bounded:
-            return
-        if self._next is None:
-            self._next = asyncio.create_task(self._ask())
-        try:
-            await self._next
-        finally:
+    async def admit(self, want: int = 1) -> float:
+        """Wait for the next group's admission, asking for ``want`` if none is granted; returns
+        the seconds the service had no room."""
+        waited_s = 0.0
+        if self._next is not None and self._next.done():  # asked ahead: its groups are granted
             self._next = None
-        if self.bounded:
-            self._next = asyncio.create_task(self._ask())
+        while self.bounded and self._granted == 0:
+            if self._next is None:
+                self._next = asyncio.create_task(self._ask(want))
+            try:
+                waited_s += await self._next
+            finally:
+                self._next = None
+        if self._granted == 0:  # no bound: nothing to take
+            return waited_s
+        self._granted -= 1
+        if self.bounded and self._granted == 0 and self._next is None:  # for the slots still free
+            self._next = asyncio.create_task(self._ask(max(1, want - 1)))
+        return waited_s
 
-    async def _ask(self) -> None:
+    async def _ask(self, groups: int) -> float:
+        waited_s = 0.0
         while self.bounded:
             try:
-                answer = await self._client.post(
-                    "/policy/admit",
-                    json={"task_type": self._task_type, "wait_s": WATCH_S, **self._said()},
-                    timeout=WATCH_S + 30,
-                )
+                body = {"task_type": self._task_type, "wait_s": WATCH_S, **self._said()}
+                if self._several:
+                    body["groups"] = groups
+                answer = await self._client.post("/policy/admit", json=body, timeout=WATCH_S + 30)
+                if answer.status_code == 422 and self._several and "groups" in answer.text:
+                    self._several = False  # an older service: one group an ask
+                    continue
                 answer.raise_for_status()
                 data = answer.json()["data"]
             except (httpx.HTTPError, KeyError, ValueError) as exc:
@@ -77,8 +92,11 @@ class RemoteAdmission:
                 await asyncio.sleep(1.0)
                 continue
             self.bounded = bool(data.get("bounded", True))
-            if data.get("admitted"):
-                return
+            waited_s += float(data.get("waited_s") or 0.0)
+            if data.get("admitted") and self.bounded:
+                self._granted += int(data.get("groups") or 1)  # an older service admits one
+                return waited_s
+        return waited_s
 
     def _said(self) -> dict[str, Any]:
         return {"worker": self._worker, "cancelled_stale": self._cancelled}

@@ -39,12 +39,13 @@ from buffer.logprob_kinds import LogprobsMode
 from buffer.policy import find_policy
 from buffer.policy.admission import Admits
 from buffer.policy.gate import Gate, recording
+from buffer.policy.slots import SlotTime
 from buffer.policy.stale import StaleGroups
 from buffer.toolkit.agent import single_turn
 from buffer.toolkit.dataset import Plan, ResumePoint, read_rows
 from buffer.toolkit.engines import Engine
 from buffer.toolkit.failfast import FailFast, MisconfiguredEngine
-from buffer.toolkit.leased import leased
+from buffer.toolkit.leased import leased, read_ahead
 from buffer.toolkit.llm import ChatClient, ContinuePolicy, EngineClient, LLMStats, RetryPolicy
 from buffer.toolkit.offload import Offload
 from buffer.toolkit.pool import group_key, routing_key
@@ -177,6 +178,8 @@ class Progress:
     started_at: float = field(default_factory=time.monotonic)
     #: The gate the run's engine requests pass, under a buffer's policy (``buffer.policy``).
     gate: Gate | None = None
+    #: Where the run's slots spent the open time (``buffer.policy.slots``).
+    slot_time: SlotTime | None = None
 
     @property
     def in_flight(self) -> int:
@@ -208,7 +211,7 @@ class Progress:
     def snapshot(self) -> dict[str, Any]:
         """Plain numbers for the job: the latency buckets cumulative, keyed by their bound."""
         elapsed = time.monotonic() - self.started_at
-        hidden = ("started_at", "task_type", "latency_counts", "latency_sum_s", "gate")
+        hidden = ("started_at", "task_type", "latency_counts", "latency_sum_s", "gate", "slot_time")
         cumulative = list(itertools.accumulate(self.latency_counts))
         return {
             **{f.name: copy.copy(getattr(self, f.name)) for f in fields(self) if f.name not in hidden},
@@ -224,7 +227,7 @@ class Progress:
             **self._gate_figures(),
         }
 
-    def _gate_figures(self) -> dict[str, float]:
+    def _gate_figures(self) -> dict[str, Any]:
         """Under a buffer's policy: seconds paused, seconds open, and the integral of engine
         requests in flight over the open time (``gate_busy_s / gate_open_s``: their mean)."""
         if self.gate is None:
@@ -235,6 +238,7 @@ class Progress:
             "gate_paused_s": float(gate["paused_s"]),
             "gate_open_s": open_s,
             "gate_busy_s": round(float(gate["mean_in_flight_open"]) * open_s, 4),
+            **({"slot_s": self.slot_time.snapshot()} if self.slot_time is not None else {}),
         }
 
     def line(self) -> str:
@@ -444,10 +448,12 @@ class _Run:
     async def all(self, plan: Plan) -> None:
         slots = asyncio.Semaphore(self.settings.num_process)
         tasks = self.tasks
+        clock = self.progress.slot_time = SlotTime(self.progress.gate, self.settings.num_process)
 
         def finished(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
             slots.release()
+            clock.freed()
             # A sample's task raised (its sink or its scoring broke, not its rollout, which is
             # written as failed): the run fails with the first such error, never silently short.
             if not task.cancelled() and (error := task.exception()) is not None and self.broken is None:
@@ -456,16 +462,20 @@ class _Run:
         last_group: tuple[int, Any] | None = None
         watch = asyncio.create_task(self.stale.watch())
         try:
-            async for sample in _samples(plan, self.settings.task_type, self.leases):
+            async for sample in clock.samples(_samples(plan, self.settings.task_type, self.leases)):
                 group = (sample.epoch, sample.instance_id)
                 if self.admission is not None and group != last_group:
-                    await self.admission.admit()
+                    clock.admitting()
+                    free = self.settings.num_process - len(tasks)  # one ask for all their groups
+                    group_size = self.settings.num_repeat_per_sample
+                    clock.admitted(await self.admission.admit(max(1, -(-free // group_size))))
                 last_group = group
                 await slots.acquire()
                 if self.fatal is not None or self.broken is not None:
                     break
                 self.progress.started += 1
                 task = asyncio.create_task(self.one(sample))
+                clock.took()
                 tasks.add(task)
                 task.add_done_callback(finished)
             if tasks:
@@ -633,8 +643,12 @@ async def _samples(plan: Plan, task_type: str, leases: dict[str, Any] | None) ->
         for sample in plan:
             yield sample
         return
-    async for sample in leased(plan, task_type, leases):
+    async for sample in read_ahead(leased(plan, task_type, leases), LEASE_READ_AHEAD):
         yield sample
+
+
+#: Samples of a worker's leased plan taken ahead of the run (``read_ahead``): half a chunk.
+LEASE_READ_AHEAD = 32
 
 
 def _worker_share(data: dict[str, Any]) -> tuple[int, int]:

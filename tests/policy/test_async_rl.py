@@ -11,6 +11,7 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
+from buffer.policy.admission import KEEP_FLOOR
 from tests.support.paths import REPO
 
 BENCH = REPO / "bench" / "async_rl.py"
@@ -46,4 +47,7 @@ def test_a_paused_and_versioned_run_serves_nothing_stale_loses_nothing_and_fills
     admission = figures["admission"]
     assert admission["capacity"] == 2 * admission["batch_groups"]  # (S + 1) batches, no more
     assert admission["batch_groups"] == 3  # the trainer's batch, not num_process
-    assert admission["outstanding"] <= admission["capacity"]
+    # In flight: the groups the trainer will read over the filter's measured keep-rate, at most
+    # 1 / KEEP_FLOOR times them (half the groups are dropped here: about twice the capacity).
+    assert admission["outstanding"] <= admission["capacity"] / KEEP_FLOOR
+    assert 0.25 <= admission["keep_rate"] <= 0.8, admission

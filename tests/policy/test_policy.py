@@ -462,13 +462,15 @@ def test_admission_over_http_waits_for_room(client: TestClient) -> None:
     assert client.post("/policy/admit", json={"task_type": "math", "wait_s": 0}).json()["data"] == {
         "admitted": True,
         "bounded": True,
+        "groups": 1,
+        "waited_s": 0.0,
     }
     refused = client.post("/policy/admit", json={"task_type": "math", "wait_s": 0.1}).json()["data"]
     assert refused["admitted"] is False
     consumed[0] += 1
     assert client.post("/policy/admit", json={"task_type": "math", "wait_s": 30}).json()["data"]["admitted"]
     free = client.post("/policy/admit", json={"task_type": "other", "wait_s": 0}).json()["data"]
-    assert free == {"admitted": True, "bounded": False}
+    assert free == {"admitted": True, "bounded": False, "groups": 1}
 
 
 async def test_a_generator_in_another_process_mirrors_the_pause_and_the_version(process: Any) -> None:

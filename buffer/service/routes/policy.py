@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Query, Request
@@ -256,6 +257,9 @@ class AdmitRequest(BaseModel):
     task_type: Annotated[str, Field(min_length=1)]
     wait_s: float = Field(30.0, ge=0, le=60, description="wait up to this long for room")
     admit: bool = Field(True, description="false: only report cancelled_stale")
+    groups: int = Field(
+        1, ge=1, le=4096, description="admit up to this many groups at once (waiting only for the first)"
+    )
     worker: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
         None, description="the generator's own name (its policy watch's)"
     )
@@ -269,8 +273,9 @@ class AdmitRequest(BaseModel):
 
 @router.post("/policy/admit")
 async def admit(body: AdmitRequest, svc: Annotated[Services, Depends(services)]) -> Response:
-    """Admit one group of the task's generator, waiting up to ``wait_s`` for room (the
-    staleness bound; not once the service stops). ``bounded: false``: the task has no
+    """Admit up to ``groups`` groups of the task's generator (``groups`` in the answer says how
+    many), waiting up to ``wait_s`` for room for one (the staleness bound; not once the service
+    stops); ``waited_s``: how long it waited. ``bounded: false``: the task has no
     admission, never ask again. A ``worker`` reports the groups it cancelled as stale
     (``cancelled_stale``, its total so far): they stop counting against the bound."""
     admission = svc.buffer.policy.admission(body.task_type)
@@ -280,13 +285,19 @@ async def admit(body: AdmitRequest, svc: Annotated[Services, Depends(services)])
         return envelope(True, "Reported", {"admitted": False, "reported": admission is not None})
     if admission is None or admission.capacity is None:
         if admission is not None:
-            admission.try_admit()
-        return envelope(True, "Admitted", {"admitted": True, "bounded": False})
-    if not admission.try_admit():
-        admitted = await svc.stopping.unless(_admitted_within(admission, body.wait_s))
-        if not admitted:
-            return envelope(True, "No room yet", {"admitted": False, "bounded": True})
-    return envelope(True, "Admitted", {"admitted": True, "bounded": True})
+            admission.try_admit(body.groups)
+        return envelope(True, "Admitted", {"admitted": True, "bounded": False, "groups": body.groups})
+    if groups := admission.try_admit(body.groups):
+        return envelope(
+            True, "Admitted", {"admitted": True, "bounded": True, "groups": groups, "waited_s": 0.0}
+        )
+    began = time.monotonic()  # ``waited_s``: how long there was no room (the run's slot breakdown)
+    admitted = await svc.stopping.unless(_admitted_within(admission, body.wait_s))
+    waited = {"bounded": True, "waited_s": round(time.monotonic() - began, 4)}
+    if not admitted:
+        return envelope(True, "No room yet", {"admitted": False, "groups": 0, **waited})
+    groups = 1 + admission.try_admit(body.groups - 1)  # the room a read made is often for several
+    return envelope(True, "Admitted", {"admitted": True, "groups": groups, **waited})
 
 
 async def _admitted_within(admission: Admission, wait_s: float) -> bool:
