@@ -6,24 +6,33 @@ buffer. ``--concurrency`` agents make calls back to back: straight to the engine
 (with the same capture fields the gateway adds, so the engine does the same work; before the rest
 and again after), then, for each of ``--dialects``, through fresh sessions in that dialect: OpenAI
 chat completions (``chat``), Anthropic Messages (``messages``) and OpenAI Responses
-(``responses``), each translated by the gateway into the same chat completion. A dialect's cost
+(``responses``), each translated by the gateway into the same chat completion, and legacy
+completions (``completions``: a prompt string, sent to the engine's own ``/v1/completions``). A dialect's cost
 per call is the difference of its median (and p99) from the direct one; the service's CPU time
 per proxied call (what bounds the calls a core can proxy) is printed too. ``token`` (token mode)
-needs an engine with a token route (``/generate`` or ``/v1/completions``) and a tokenizer: the
-loopback engine serves chat completions only, so it is reported as skipped. With ``--data-dir``
+needs an engine with a token route (``/generate`` or ``/v1/completions``) and a tokenizer whose
+template it renders: the loopback engine has none, so it is reported as skipped. With ``--data-dir``
 every call is journaled and acknowledged once on disk (``--durability`` as the service's);
 ``--json`` prints the figures as one JSON object instead.
 
     .venv/bin/python bench/gateway.py                         # 8 agents, 2,000 calls per dialect
     .venv/bin/python bench/gateway.py --concurrency 1 --calls 1000 --dialects chat,messages --json
     .venv/bin/python bench/gateway.py --concurrency 32 --calls 4000 --data-dir /tmp/gw
+    .venv/bin/python bench/gateway.py --processes 1,2 --concurrency 16 --calls 4000   # rollout-buffer gateway
+
+``--processes 1,2`` measures gateway processes (``rollout-buffer gateway``) instead, chat only: the
+buffer hands the sessions out (``--gateway-url``), the agents run in ``--agent-processes`` processes
+of their own, and each count prints its calls/s and the CPU a call of the service, the gateway
+processes, the engine and the agents.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,13 +40,14 @@ from typing import Any
 
 import aiohttp
 import common
+import httpx
 import orjson
 
 SYSTEM = "You are a helpful assistant."
 QUESTION = "Compute 12 * (3 + 4) and explain the steps briefly."
 MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
 CAPTURE = {"logprobs": True, "return_token_ids": True, "return_prompt_token_ids": True}
-DIALECTS = ("chat", "messages", "responses", "token")
+DIALECTS = ("chat", "messages", "responses", "completions", "token")
 TOKEN_ROUTES = ("/generate", "/v1/completions")
 
 
@@ -63,10 +73,17 @@ def responses_call(session: dict[str, Any]) -> tuple[str, dict[str, Any], dict[s
     return f"{session['base_url']}/responses", body, {"authorization": f"Bearer {session['api_key']}"}
 
 
+def completions_call(session: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, str]]:
+    # legacy completions: one prompt string, to the engine's own /v1/completions
+    body = {"model": "policy", "prompt": f"{SYSTEM}\n\nQuestion: {QUESTION}\nAnswer:", "max_tokens": 64}
+    return f"{session['base_url']}/completions", body, {"authorization": f"Bearer {session['api_key']}"}
+
+
 CALLS: dict[str, Callable[[dict[str, Any]], tuple[str, dict[str, Any], dict[str, str]]]] = {
     "chat": chat_call,
     "messages": messages_call,
     "responses": responses_call,
+    "completions": completions_call,
 }
 
 
@@ -151,6 +168,137 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"median_ms": statistics.median(values) * 1000, "p99_ms": quantile(values, 0.99) * 1000}
 
 
+# -- across processes (--processes): gateway processes feeding the one buffer ----------------
+
+
+def gateway_command(python: str, port: int, buffer_url: str, extra: list[str]) -> list[str]:
+    command = [python, "-m", "buffer", "gateway", "--buffer-url", buffer_url, "--host", "127.0.0.1"]
+    return [*command, "--port", str(port), "--log-level", "warning", *extra]
+
+
+def agents(buffer_url: str, engine_url: str, count: int, calls: int, first: int, go: Any, out: Any) -> None:
+    """One agent process: ``count`` agents, each in a fresh session opened at the buffer (handed
+    to a gateway process), ``calls`` calls each once ``go`` is set; sends back the latencies."""
+
+    async def run_agents() -> tuple[list[float], float, float, float]:
+        connector = aiohttp.TCPConnector(limit=count * 2)
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=120)
+        ) as client:
+            sessions = []
+            for index in range(count):
+                body = {"task_type": "bench", "instance_id": first + index, "remote_engine_url": engine_url}
+                async with client.post(f"{buffer_url}/sessions", json=body) as response:
+                    response.raise_for_status()
+                    sessions.append((await response.json())["data"])
+            requests = [chat_call(session) for session in sessions]
+            await asyncio.gather(*[timed_calls(client, u, b, h, 5) for u, b, h in requests])
+            await asyncio.to_thread(go.wait)
+            started, cpu_s = time.perf_counter(), time.process_time()
+            timed = [timed_calls(client, u, b, h, calls) for u, b, h in requests]
+            latencies = [latency for lists in await asyncio.gather(*timed) for latency in lists]
+            ended, cpu_s = time.perf_counter(), time.process_time() - cpu_s
+            for session in sessions:
+                async with client.post(
+                    f"{buffer_url}/sessions/{session['session_id']}/end", json={"discard": True}
+                ):
+                    pass
+            return latencies, started, ended, cpu_s
+
+    out.send(asyncio.run(run_agents()))
+
+
+def run_processes(args: argparse.Namespace, counts: list[int]) -> dict[str, Any]:
+    """For each count of gateway processes: throughput and CPU per call, agents in processes of their own."""
+    import multiprocessing
+    import subprocess
+
+    context = multiprocessing.get_context("fork")  # before any event loop in this process
+    report: dict[str, Any] = {"concurrency": args.concurrency, "cpus": common.CPUS, "runs": {}}
+    per_agent = max(1, args.calls // args.concurrency)
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(common.Server(module="tests.support.loopback_engine"))
+        for count in counts:
+            ports = [common.free_port() for _ in range(count)]
+            gateways = [f"http://127.0.0.1:{port}" for port in ports]
+            extra = [arg for url in gateways for arg in ("--gateway-url", url)]
+            with common.Server(extra_args=extra) as buffer, contextlib.ExitStack() as running:
+                processes = []
+                for index, port in enumerate(ports):
+                    data = ["--data-dir", f"{args.data_dir}/{count}-{index}"] if args.data_dir else []
+                    log = running.enter_context(tempfile.TemporaryFile())
+                    command = gateway_command(sys.executable, port, buffer.url, data)
+                    process = subprocess.Popen(command, cwd=common.REPO, stdout=log, stderr=subprocess.STDOUT)
+                    running.callback(process.wait)
+                    running.callback(process.terminate)
+                    processes.append(process)
+                for url in gateways:
+                    _wait(f"{url}/health")
+                go = context.Event()
+                pipes, workers = [], []
+                share = [args.concurrency // args.agent_processes] * args.agent_processes
+                for index in range(args.concurrency % args.agent_processes):
+                    share[index] += 1
+                for index, agents_here in enumerate(share):
+                    receive, send = context.Pipe(duplex=False)
+                    first = sum(share[:index])
+                    worker = context.Process(
+                        target=agents, args=(buffer.url, engine.url, agents_here, per_agent, first, go, send)
+                    )
+                    worker.start()
+                    pipes.append(receive)
+                    workers.append(worker)
+                time.sleep(0.5)  # the agents' sessions opened and warmed (they wait for go)
+                pids = {
+                    "service": [buffer.pid],
+                    "gateways": [p.pid for p in processes],
+                    "engine": [engine.pid],
+                }
+                before = {name: sum(common.cpu_seconds(pid) for pid in group) for name, group in pids.items()}
+                go.set()
+                results = [pipe.recv() for pipe in pipes]
+                after = {name: sum(common.cpu_seconds(pid) for pid in group) for name, group in pids.items()}
+                for worker in workers:
+                    worker.join()
+            latencies = [latency for lists, *_ in results for latency in lists]
+            elapsed_s = max(result[2] for result in results) - min(result[1] for result in results)
+            calls = len(latencies)
+            report["runs"][str(count)] = {
+                "calls": calls,
+                "calls_per_s": calls / elapsed_s,
+                **summary(latencies),
+                **{f"{name}_cpu_us_per_call": (after[name] - before[name]) / calls * 1e6 for name in pids},
+                "agents_cpu_us_per_call": sum(result[3] for result in results) / calls * 1e6,
+            }
+    return report
+
+
+def _wait(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2.0, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+def print_processes(report: dict[str, Any]) -> None:
+    print(f"{report['concurrency']} agents, on {report['cpus']} CPUs")
+    one = report["runs"].get("1", {}).get("calls_per_s")
+    for count, run in report["runs"].items():
+        scale = f" ({run['calls_per_s'] / one:.2f}x one)" if one else ""
+        print(
+            f"{count} gateway process(es): {run['calls_per_s']:.0f} calls/s{scale},"
+            f" median {run['median_ms']:.2f} ms, p99 {run['p99_ms']:.2f} ms; CPU a call:"
+            f" service {run['service_cpu_us_per_call']:.0f} us,"
+            f" gateways {run['gateways_cpu_us_per_call']:.0f} us,"
+            f" engine {run['engine_cpu_us_per_call']:.0f} us, agents {run['agents_cpu_us_per_call']:.0f} us"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -159,13 +307,30 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000, help="calls each way, per dialect")
     parser.add_argument(
         "--dialects",
-        default="chat,messages,responses,token",
+        default="chat,messages,responses,completions,token",
         help=f"comma-separated, of {', '.join(DIALECTS)} (default: all)",
     )
     parser.add_argument("--data-dir", default=None, help="journal every call (default: no data folder)")
     parser.add_argument("--durability", choices=["sync", "async"], default="sync")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    parser.add_argument(
+        "--processes",
+        default=None,
+        help="gateway processes (rollout-buffer gateway) instead of the service's own gateway: counts to "
+        "measure, e.g. 1,2 (chat; throughput and CPU a call)",
+    )
+    parser.add_argument(
+        "--agent-processes", type=int, default=2, help="with --processes: processes the agents run in"
+    )
     args = parser.parse_args()
+    if args.processes:
+        counts = [int(count) for count in args.processes.split(",")]
+        report = run_processes(args, counts)
+        if args.json:
+            print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+        else:
+            print_processes(report)
+        return
     dialects = [name.strip() for name in args.dialects.split(",") if name.strip()]
     unknown = sorted(set(dialects) - set(DIALECTS))
     if unknown or not dialects:

@@ -36,6 +36,7 @@ from buffer.service.routes import (
     dashboard,
     docs,
     export,
+    handoff,
     jobs,
     metrics,
     policy,
@@ -84,6 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             max_tasks=settings.max_tasks,
             one_group_per_instance=settings.one_group_per_instance,
             strict_tasks=settings.strict_tasks,
+            replay=settings.replay_settings(),
         )
         policy = JobPolicy.from_settings(settings)
         stopping = Stopping()
@@ -111,6 +113,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         history = History()
         app.state.services = Services(settings, buffer, registry, job_manager, ready, history, stopping)
         app.state.gateway = gateway
+        # --gateway-url: new sessions are opened at gateway processes (routes/handoff.py)
+        app.state.handoff = (
+            handoff.Handoff(settings.gateway_url, buffer, required_key(settings))
+            if settings.gateway_url
+            else None
+        )
         sweeper = asyncio.create_task(
             _sweep_timeouts(buffer, history, gateway, settings.sweep_interval_s), name="timeout-sweeper"
         )
@@ -134,6 +142,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await asyncio.gather(sweeper, return_exceptions=True)
             await job_manager.shutdown()
             await gateway.proxy.aclose()
+            if app.state.handoff is not None:
+                await app.state.handoff.aclose()
             if store is not None:
                 await asyncio.to_thread(store.close)
                 logger.info("the buffer is on disk in %s", settings.data_dir)
@@ -143,6 +153,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="rollout-buffer", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.router.routes[:0] = writes.ROUTES + sessions.ROUTES  # first: matched before any other route
+    if settings.gateway_url:  # before /sessions: opened at the gateway processes
+        app.router.routes[:0] = handoff.ROUTES
     modules = (
         rollout,
         policy,

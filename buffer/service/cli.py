@@ -6,6 +6,7 @@
     rollout-buffer tail                follow the trajectories as they are written
     rollout-buffer check DIR [--repair] check a data folder, and salvage what can be read
     rollout-buffer worker --buffer URL --task NAME --generator FILE   run a generator for a buffer elsewhere
+    rollout-buffer gateway --buffer-url URL [--processes N]   the gateway in processes of its own
     rollout-buffer simulator [OPTIONS]  the simulated policy server (``python -m buffer.simulator``)
     rollout-buffer demo [OPTIONS]       the example run (``rollout_buffer_example.sh``)
 
@@ -333,6 +334,19 @@ def _run_worker(namespace: argparse.Namespace) -> int:
     return remote.run(namespace)
 
 
+def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    from buffer.service import gateway_process
+
+    add_serve_arguments(parser)  # the service's flags: --port, --data-dir, --host, ...
+    gateway_process.add_arguments(parser)
+
+
+def _run_gateway(namespace: argparse.Namespace) -> int:
+    from buffer.service import gateway_process
+
+    return gateway_process.run(settings_from(namespace), namespace)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command("serve", "run the rollout buffer service (the default)", add_serve_arguments, serve),
     Command(
@@ -344,6 +358,12 @@ COMMANDS: tuple[Command, ...] = (
     Command("tail", "follow the trajectories a running buffer receives", _add_tail_arguments, _run_console),
     Command("check", "check a data folder, and with --repair salvage it", _add_check_arguments, _run_check),
     Command("worker", "run a generator here for a buffer elsewhere", _add_worker_arguments, _run_worker),
+    Command(
+        "gateway",
+        "the recording gateway in processes of its own, writing to a buffer elsewhere",
+        _add_gateway_arguments,
+        _run_gateway,
+    ),
 )
 
 

@@ -19,7 +19,7 @@ from buffer.simulator.protocol import CompletionRequest, GenerateRequest, stop_s
 from buffer.simulator.replies import Limits
 from buffer.simulator.sampling import SamplingFields
 from buffer.simulator.server import Answer, Simulator, json_response
-from buffer.simulator.shapes import completion_logprobs, meta_info, output_text, stop_reason, usage
+from buffer.simulator.shapes import completion_logprobs, meta_info, output_text, usage
 from buffer.simulator.streaming import Chunk, completion_chunks, generate_chunks
 
 
@@ -59,14 +59,15 @@ def prepare_completion(
                 "text": text,
                 "logprobs": completion_logprobs(model, generation) if request.logprobs is not None else None,
                 "finish_reason": generation.finish_reason,
-                "stop_reason": stop_reason(generation, model.eos_id),
+                **sim.dialect.stop_field(generation, model.eos_id),
             }
             if request.return_token_ids:
                 choice["prompt_token_ids"] = prompt_ids
                 choice["token_ids"] = generation.ids
             choices.append(choice)
         completion_tokens = sum(len(generation.ids) for generation in generations)
-        return {**head, "choices": choices, "usage": usage(len(prompt_ids), completion_tokens)}
+        answer = {**head, "choices": choices, "usage": usage(len(prompt_ids), completion_tokens)}
+        return {**answer, **sim.dialect.completion_fields(sim.weight_version)}
 
     chunks = None
     if request.stream:

@@ -17,11 +17,11 @@ logprobs are (``reported_logprobs``: vLLM's before temperature and filters unles
 - SGLang puts ``prompt_token_ids`` (``return_prompt_token_ids``), ``token_ids``
   (``return_token_ids``) and ``meta_info`` (``return_meta_info``) in the choice, the reasoning
   in ``reasoning_content``, the matched stop (the end-of-turn id, or the string) in
-  ``matched_stop``, ``metadata.weight_version`` at the top level and an ``index`` in each tool
-  call; it serves any model name, answers errors flat (``{"object": "error", ...}``), and
-  refuses the ``return_*`` fields with ``stream``. It continues a final assistant message by
-  rendering the conversation before it with the generation prompt and appending the reply's
-  text (``serving_chat.py``: ``_handle_last_assistant_message``).
+  ``matched_stop``, ``metadata.weight_version`` at the top level (of a ``/v1/completions`` answer
+  too) and an ``index`` in each tool call; it serves any model name, answers errors flat
+  (``{"object": "error", ...}``), and refuses the ``return_*`` fields with ``stream``. It
+  continues a final assistant message by rendering the conversation before it with the
+  generation prompt and appending the reply's text (``serving_chat.py``: ``_handle_last_assistant_message``).
 
 Adding an engine dialect: write one ``Dialect`` subclass here with what the engine does
 differently (the base class is what both engines above share), and add an instance to
@@ -112,7 +112,12 @@ class Dialect:
         return None
 
     def stop_field(self, generation: Generation, eos_id: int) -> dict[str, Any]:
-        """What the last chunk of a streamed choice says of the stop it matched."""
+        """What a completion's choice (and the last chunk of a streamed choice) says of the stop
+        it matched."""
+        return {}
+
+    def completion_fields(self, weight_version: str) -> dict[str, Any]:
+        """The fields of a ``/v1/completions`` answer after its ``usage``."""
         return {}
 
 
@@ -232,6 +237,9 @@ class SGLang(Dialect):
 
     def stop_field(self, generation: Generation, eos_id: int) -> dict[str, Any]:
         return {"matched_stop": generation.matched_stop}
+
+    def completion_fields(self, weight_version: str) -> dict[str, Any]:
+        return {"metadata": {"weight_version": weight_version}}  # ``serving_completions.py``
 
 
 #: The engines by name, in the order ``--help`` lists them.

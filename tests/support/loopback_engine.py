@@ -115,6 +115,23 @@ def create_engine_app() -> Starlette:
             answer["prompt_token_ids"] = prompt_ids
         return Response(orjson.dumps(answer), media_type="application/json")
 
+    async def completions(request: Request) -> Response:
+        """vLLM's legacy completions: a prompt (text as its bytes' ids, or ids) answered "Hello."."""
+        body = orjson.loads(await request.body())
+        prompt = body["prompt"]
+        prompt_ids = text_ids(prompt) if isinstance(prompt, str) else list(prompt)
+        output_ids = [*text_ids("Hello."), END]
+        logprobs = [-((i % 5) + 1) / 10 for i in range(len(output_ids))]
+        log.append({"prompt_ids": prompt_ids, "output_ids": output_ids, "logprobs": logprobs, "body": body})
+        choice: dict[str, Any] = {"index": 0, "text": "Hello.", "finish_reason": "stop", "stop_reason": None}
+        choice["logprobs"] = {"token_logprobs": logprobs} if body.get("logprobs") is not None else None
+        if body.get("return_token_ids"):
+            choice.update(prompt_token_ids=prompt_ids, token_ids=output_ids)
+        answer = {"id": f"cmpl-{len(log)}", "object": "text_completion", "created": 0, "choices": [choice]}
+        answer["model"] = body.get("model", "loopback")
+        answer["usage"] = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(output_ids)}
+        return Response(orjson.dumps(answer), media_type="application/json")
+
     async def models(request: Request) -> Response:
         return Response(b'{"object": "list", "data": [{"id": "loopback", "object": "model"}]}')
 
@@ -127,6 +144,7 @@ def create_engine_app() -> Starlette:
     return Starlette(
         routes=[
             Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", models),
             Route("/log", get_log),
             Route("/health", health),

@@ -19,7 +19,12 @@ from tests.support.engine_records import assert_sampled
 from tests.support.sdk import streamed_message
 from tests.support.vllm_engine import MODEL_NAME
 from tests.vllm.conftest import Engine
-from tests.vllm.test_vllm_generators import TOOL_CALL, assert_logprobs_are_the_models, engine_answers
+from tests.vllm.test_vllm_generators import (
+    TOOL_CALL,
+    _tokenizer,
+    assert_logprobs_are_the_models,
+    engine_answers,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -228,3 +233,60 @@ def test_a_token_mode_session_on_vllm_is_one_sample_of_what_vllm_sampled(
     )
     assert len(samples_from_turns(trajectory, 1.0, 1.0)) == 1
     assert_logprobs_are_the_models(vllm, assert_sampled(engine_answers(vllm), trajectory).turns)
+
+
+def completions_agent(client: openai.OpenAI, tokenizer: Any | None) -> None:
+    """An ordinary legacy-completions loop (``client.completions.create``): the first answer held
+    to digits by vLLM's structured outputs and cut at ``max_tokens`` (no end-of-text token), then
+    the follow-up, streamed: appended to the text (the gateway in token mode holds the ids), or,
+    with the agent's own ``tokenizer``, to the ids vLLM returned (chat mode: vLLM tokenises a
+    string itself, so only ids are sure to extend what it sampled)."""
+    prompt = "Question: What is 3 * 9?\nAnswer: "
+    first = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=4,
+        extra_body={"structured_outputs": {"regex": "[1-9][0-9]{15}"}, "return_token_ids": True},
+    )
+    more = "\nQuestion: Are you sure?\nAnswer:"
+    follow_up: Any = prompt + first.choices[0].text + more
+    if tokenizer is not None:
+        held = first.choices[0].model_extra or {}
+        follow_up = [*held["prompt_token_ids"], *held["token_ids"], *tokenizer.encode(more)]
+    text = "".join(
+        choice.text
+        for chunk in client.completions.create(model=MODEL_NAME, prompt=follow_up, max_tokens=16, stream=True)
+        for choice in chunk.choices
+    )
+    assert text
+
+
+@pytest.mark.parametrize("token_mode", [False, True])
+def test_a_completions_agent_through_the_gateway_is_trained_on_what_vllm_sampled(
+    vllm: Engine, make_client: Any, token_mode: bool
+) -> None:
+    """vLLM's own ``/v1/completions`` with its ids asked for (token mode: the ids the gateway
+    holds, the follow-up's text encoded past them): one chain, each turn what vLLM sampled."""
+    client: TestClient = make_client(group_size=2)
+    tokenizer = None if token_mode else _tokenizer(vllm.model)
+
+    def run(session: dict[str, Any]) -> None:
+        completions_agent(
+            openai.OpenAI(
+                base_url=session["base_url"], api_key=session["api_key"], http_client=client, max_retries=0
+            ),
+            tokenizer,
+        )
+
+    fields: dict[str, Any] = {"token_mode": True, "tokenizer_path": str(vllm.model)} if token_mode else {}
+    before = len(vllm.proxy.exchanges)
+    trajectory = trajectory_of(client, vllm, run, **fields)
+    sent = [e for e in vllm.proxy.exchanges[before:] if e.status == 200 and e.path == "/v1/completions"]
+    assert [isinstance(e.request["prompt"], list) for e in sent] == [token_mode, True]
+    assert trajectory["extra_info"]["gateway"]["parents"] == [None, 0]
+    first, second = trajectory["turns"]
+    assert second["prompt_ids"][: len(first["prompt_ids"]) + len(first["output_ids"])] == (
+        first["prompt_ids"] + first["output_ids"]
+    )
+    assert len(samples_from_turns(trajectory, 1.0, 1.0)) == 1
+    assert_trained_on_what_vllm_sampled(vllm, trajectory)  # the first constrained, the second the model's

@@ -16,7 +16,8 @@ into a token-faithful trajectory written to the buffer like any other.
 - ``service``: the ``Gateway`` the routes call (``buffer.service.routes.sessions``).
 - ``anthropic``, ``responses``: Anthropic's Messages API and OpenAI's Responses API as the chat
   completion the gateway records, and its answer back (``buffer.service.routes.dialects``);
-  ``translation``: what they share.
+  ``translation``: what they share; ``completions``: legacy completions, sent to the engine's
+  own ``/v1/completions`` and chained by token ids.
 
 It may import the buffer core, the toolkit's engine readers (``buffer.toolkit.engines``) and
 httpx; the core never imports it.

@@ -38,6 +38,8 @@ class Call:
     request: str | None = None
     choice: int = 0
     asked: dict[str, Any] | None = None
+    completion: str | None = None
+    text_end: list[Any] | None = None
 
     def to_json(self) -> bytes:
         return orjson.dumps(
@@ -54,6 +56,8 @@ class Call:
                 "request": self.request,
                 "choice": self.choice,
                 "asked": self.asked,
+                **({"completion": self.completion} if self.completion is not None else {}),
+                **({"text_end": self.text_end} if self.text_end is not None else {}),
             }
         )
 

@@ -45,9 +45,11 @@ _CAPTURE_ANSWER_FIELDS = ("prompt_token_ids", "token_ids", "meta_info")
 class _Engines(EngineClient):
     """The engines of one set of URLs (a pool when there are several), on the shared transport."""
 
-    def __init__(self, urls: Sequence[str], transport: Transport, retry: RetryPolicy) -> None:
+    def __init__(
+        self, urls: Sequence[str], transport: Transport, retry: RetryPolicy, path: str = "/chat/completions"
+    ) -> None:
         super().__init__(transport=transport, retry=retry)
-        self._engines(list(urls), lambda url: engine_base_url(url) + "/chat/completions")
+        self._engines(list(urls), lambda url: engine_base_url(url) + path)
 
 
 class EngineProxy:
@@ -72,6 +74,7 @@ class EngineProxy:
             self._transport = transport
         self._retry = retry or RetryPolicy(max_retry_s=60.0)
         self._clients: dict[tuple[str, ...], _Engines] = {}
+        self._completion_clients: dict[tuple[str, ...], _Engines] = {}  # legacy /v1/completions
         self._token_clients: dict[tuple[tuple[str, ...], str, str], TokenClient] = {}
         self._renderers: dict[str, TokenRenderer] = {}
         self._http: httpx.AsyncClient | None = None  # for the rare GET /v1/models
@@ -95,6 +98,19 @@ class EngineProxy:
         token = routing_key.set(key)
         try:
             answer, _ = await self._client(urls)._post(body)
+        finally:
+            routing_key.reset(token)
+        return answer
+
+    async def completions(self, urls: Sequence[str], body: dict[str, Any], key: str) -> dict[str, Any]:
+        """The engine's answer to a legacy completion (``completions.upstream_body``); ``LLMError``."""
+        clients = self._completion_clients
+        client = clients.get(tuple(urls))
+        if client is None:
+            client = clients[tuple(urls)] = _Engines(urls, self._transport, self._retry, "/completions")
+        token = routing_key.set(key)
+        try:
+            answer, _ = await client._post(body)
         finally:
             routing_key.reset(token)
         return answer
@@ -148,7 +164,7 @@ class EngineProxy:
         return response.status_code, response.content
 
     async def aclose(self) -> None:
-        for client in self._clients.values():
+        for client in (*self._clients.values(), *self._completion_clients.values()):
             await client.pool.aclose()
         for token_client in self._token_clients.values():
             await token_client.pool.aclose()

@@ -32,7 +32,7 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,10 +42,12 @@ from buffer.core.rollout_buffer import RolloutBuffer
 from buffer.core.writes import WriteResult
 from buffer.errors import InvalidInput, NotFound, RolloutBufferError
 from buffer.policy.versions import as_version
+from buffer.service.gateway import completions
 from buffer.service.gateway.assembly import NothingRecorded, assemble_chains
 from buffer.service.gateway.calls import Call
 from buffer.service.gateway.images import ImagePolicy, write_files
 from buffer.service.gateway.proxy import EngineProxy, captures, chat_answer, token_reply
+from buffer.service.gateway.responses import ResponseStore
 from buffer.service.gateway.sampling import pin, pinned
 from buffer.service.gateway.sessions import (
     EVENT_KIND,
@@ -56,13 +58,14 @@ from buffer.service.gateway.sessions import (
     SessionStore,
     close_header,
 )
-from buffer.service.gateway.tree import parent_of
+from buffer.service.gateway.tree import continued_by_ids, parent_of, text_key
 from buffer.service.job_policy import JobPolicy
 from buffer.service.models import TRAJECTORIES, parse_json
 from buffer.toolkit.tito import TemplateError, TokenizerMissing
 from buffer.toolkit.types import Completion, TokenCapture
 
 logger = logging.getLogger(__name__)
+_Answer = Coroutine[Any, Any, dict[str, Any]]
 
 
 class PauseGate(Protocol):
@@ -143,6 +146,8 @@ class Gateway:
         self.config = config or GatewayConfig()
         self.pause_gate = pause_gate
         self.store = SessionStore()
+        #: The Responses API's stored responses, for ``previous_response_id`` (in memory).
+        self.responses = ResponseStore()
         self._clock = clock
         self._flights: dict[tuple[str, str], _Flight] = {}
         buffer.add_extension(EVENT_KIND, self.store)  # before a restore, to replay the sessions
@@ -255,6 +260,36 @@ class Gateway:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise InvalidInput.one("messages", "must be a non-empty list of messages")
+        return await self._flight(session, body, headers, role, retry_count, self._call)
+
+    async def complete_text(
+        self,
+        session: Session,
+        body: dict[str, Any],
+        *,
+        headers: Mapping[str, str] | None = None,
+        role: str | None = None,
+        retry_count: int | None = None,
+    ) -> dict[str, Any]:
+        """Forward one legacy completion (``completions``) and record it, as ``complete`` does a
+        chat completion; the engine's answer, once durable."""
+        prompt = completions.check(body)
+
+        def call(session: Session, body: dict[str, Any], role: str | None, digest: str) -> _Answer:
+            return self._text_call(session, body, prompt, role, digest)
+
+        return await self._flight(session, body, headers, role, retry_count, call)
+
+    async def _flight(
+        self,
+        session: Session,
+        body: dict[str, Any],
+        headers: Mapping[str, str] | None,
+        role: str | None,
+        retry_count: int | None,
+        call: Callable[[Session, dict[str, Any], str | None, str], _Answer],
+    ) -> dict[str, Any]:
+        """The answer of ``call``, made once for a request and the SDK's retries of it."""
         headers = headers or {}
         role = _role(body, headers) if role is None else _checked_role(role, "role")
         if retry_count is None:
@@ -265,7 +300,7 @@ class Gateway:
         if flight is None:
             if retry_count > 0 and (answered := _recorded(session, digest, body)) is not None:
                 return answered
-            flight = _Flight(asyncio.ensure_future(self._call(session, body, role, digest)))
+            flight = _Flight(asyncio.ensure_future(call(session, body, role, digest)))
             self._flights[key] = flight
             flight.task.add_done_callback(lambda task: self._landed(key, flight))
         return await self._join(flight)
@@ -358,6 +393,62 @@ class Gateway:
             raise SessionUnusable(f"token mode: {exc}") from exc
         replies = [(token_reply(completion), completion.finish_reason, completion.tokens)]
         return chat_answer(replies, str(sent.get("model") or "")), replies
+
+    async def _text_call(
+        self,
+        session: Session,
+        body: dict[str, Any],
+        prompt: completions.Prompt,
+        role: str | None,
+        digest: str,
+    ) -> dict[str, Any]:
+        """A legacy completion: sent as the agent wrote it (token mode: its prompt as the ids the
+        gateway holds), each choice recorded as a call continuing the one its prompt's ids extend."""
+        await self._wait_unpaused()
+        sent, asked = pin(body, session.sampling)
+        served = self.buffer.policy.version or 0
+        tokenizer = None
+        if session.tokenizer_path is not None:
+            tokenizer = (await self.proxy.renderer(session.tokenizer_path)).tokenizer
+            prompt = completions.owned_ids(session, tokenizer, prompt)
+        upstream = completions.upstream_body(sent, prompt)
+        answer = await self.proxy.completions(session.engine_urls, upstream, session.session_id)
+        replies = completions.captures(answer)
+        if self.store.get(session.session_id) is not session:
+            raise UnknownSession(session.session_id)  # ended while the engine answered
+        prompt_ids = replies[0][2].prompt_ids
+        parent = continued_by_ids(session.ends, session.end_lengths, prompt_ids)
+        text = body["prompt"] if isinstance(body["prompt"], str) else None
+        if isinstance(body["prompt"], list) and isinstance(body["prompt"][0], str):
+            text = body["prompt"][0]
+        shown = completions.new_text(session, parent, text, prompt_ids, tokenizer)
+        sampling = {k: v for k, v in sent.items() if k not in completions.NOT_SAMPLING}
+        header = {"e": EVENT_KIND, "op": "call", "id": session.session_id}
+        at = self._clock()
+        for choice, (reply, finish_reason, tokens) in enumerate(replies):
+            text_end = None
+            if tokenizer is not None and text is not None:  # what these ids hold, as text
+                held = (text + tokenizer.decode(tokens.output_ids, skip_special_tokens=False)).encode()
+                text_end = [len(held), text_key(held).hex()]
+            call = Call(
+                messages=[{"role": "user", "content": shown}],
+                tools=None,
+                sampling=sampling,
+                reply={"role": "assistant", "content": reply},
+                finish_reason=finish_reason,
+                tokens=_token_record(tokens, served),
+                parent=parent,
+                at=at,
+                role=role,
+                request=digest,
+                choice=choice,
+                asked=asked,
+                completion="ids" if text is None else "text",
+                text_end=text_end,
+            )
+            self.buffer.log_event(header, [call.to_json()])
+        await self.buffer.wait_durable()
+        return answer
 
     async def _wait_unpaused(self) -> None:
         gate = self.pause_gate
@@ -499,12 +590,26 @@ def _recorded(session: Session, digest: str, body: dict[str, Any]) -> dict[str, 
     if last is None:
         return None
     first = last - session.calls[last].choice
+    if session.calls[first].completion is not None:
+        texts = [
+            (str(call.reply.get("content") or ""), call.finish_reason, _capture(call.tokens))
+            for call in session.calls[first : last + 1]
+        ]
+        return completions.answer_of(
+            texts, str(body.get("model") or ""), f"cmpl-{session.session_id}-{first}"
+        )
     replies = []
     for call in session.calls[first : last + 1]:
         tokens = call.tokens
         capture = None if tokens is None else TokenCapture(tokens["prompt_ids"], tokens["output_ids"])
         replies.append((call.reply, call.finish_reason, capture))
     return chat_answer(replies, str(body.get("model") or ""), f"chatcmpl-{session.session_id}-{first}")
+
+
+def _capture(tokens: dict[str, Any] | None) -> TokenCapture:
+    if tokens is None:
+        return TokenCapture([], [])
+    return TokenCapture(tokens["prompt_ids"], tokens["output_ids"])
 
 
 def _token_record(tokens: TokenCapture, served: int) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from buffer.core.records import encode
 from buffer.service.gateway.calls import Call
-from buffer.service.gateway.tree import continued
+from buffer.service.gateway.tree import continued, ids_key
 
 EVENT_KIND = "x:gateway"
 OnTimeout = Literal["write", "discard"]
@@ -61,6 +61,13 @@ class Session:
     sampling: dict[str, Any] = field(default_factory=dict)
     #: The served model's tokenizer: token mode (``tokens``); None: the engine renders (chat mode).
     tokenizer_path: str | None = None
+    #: Legacy completions: ``completions.ids_key`` of each call's prompt and output ids -> the
+    #: latest call with them, and the lengths recorded; ``text_ends`` the same of the text a
+    #: token-mode call's ids hold (``Call.text_end``), by length in bytes.
+    ends: dict[bytes, int] = field(default_factory=dict)
+    end_lengths: set[int] = field(default_factory=set)
+    text_ends: dict[bytes, int] = field(default_factory=dict)
+    text_lengths: set[int] = field(default_factory=set)
 
     def open_header(self) -> dict[str, Any]:
         return {
@@ -130,9 +137,12 @@ class SessionStore:
             return
         if op == "call":
             call = Call.from_json(parts[0])
-            digest = continued(call, b"" if call.parent is None else session.digests[call.parent])
-            session.continuations[digest] = len(session.calls)
-            session.digests.append(digest)
+            if call.completion is not None:
+                _index_completion(session, call, len(session.calls))
+            else:
+                digest = continued(call, b"" if call.parent is None else session.digests[call.parent])
+                session.continuations[digest] = len(session.calls)
+                session.digests.append(digest)
             session.calls.append(call)
             session.last_at = max(session.last_at, call.at)
         elif op == "reward":
@@ -174,6 +184,20 @@ class SessionStore:
                 yield encode(close_header(session_id, how_ended))
 
         return records()
+
+
+def _index_completion(session: Session, call: Call, index: int) -> None:
+    """A legacy completion, found by the ids (and, token mode, the text) a later call extends;
+    never by its messages: a chat call does not continue it."""
+    session.digests.append(b"")
+    if call.tokens is not None:
+        ids = [*call.tokens["prompt_ids"], *call.tokens["output_ids"]]
+        session.ends[ids_key(ids)] = index
+        session.end_lengths.add(len(ids))
+    if call.text_end is not None:
+        length, digest = call.text_end
+        session.text_ends[bytes.fromhex(digest)] = index
+        session.text_lengths.add(length)
 
 
 def close_header(session_id: str, ended: Ended) -> dict[str, Any]:

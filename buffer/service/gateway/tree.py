@@ -11,7 +11,8 @@ SDKs re-number tool call ids, add ``refusal: null`` and the like).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from array import array
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 import orjson
@@ -115,4 +116,44 @@ def _one_request(calls: Sequence[Call], first: int, second: int) -> bool:
 
 
 def _prompt_key(call: Call) -> tuple[int | None, bytes]:
+    if call.completion is not None and call.tokens is not None:  # a legacy completion: its ids
+        return call.parent, b"ids" + array("I", call.tokens["prompt_ids"]).tobytes()
     return call.parent, b"\x00".join(message_key(message) for message in call.messages)
+
+
+# -- legacy completions: chained by ids ----------------------------------------------------
+
+
+def ids_key(ids: Sequence[int] | memoryview) -> bytes:
+    """The digest a call's ids (its prompt and output) are looked up by."""
+    data = ids if isinstance(ids, memoryview) else array("I", ids).tobytes()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def text_key(text: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(text, digest_size=16).digest()
+
+
+def continued_by_ids(ends: Mapping[bytes, int], lengths: Set[int], prompt_ids: Sequence[int]) -> int | None:
+    """The recorded call whose prompt and output ids begin ``prompt_ids`` (the longest), or None."""
+    packed = memoryview(array("I", prompt_ids).tobytes())
+    for length in sorted((n for n in lengths if n <= len(prompt_ids)), reverse=True):
+        found = ends.get(ids_key(packed[: 4 * length]))
+        if found is not None:
+            return found
+    return None
+
+
+def continued_by_text(ends: Mapping[bytes, int], lengths: Set[int], prompt: str) -> tuple[int, str] | None:
+    """Token mode: the recorded call whose text (prompt and output as its ids decode) begins
+    ``prompt`` (the longest), and the rest of ``prompt``; None."""
+    data = prompt.encode()
+    view = memoryview(data)
+    for length in sorted((n for n in lengths if n <= len(data)), reverse=True):
+        found = ends.get(text_key(view[:length]))
+        if found is not None:
+            try:
+                return found, data[length:].decode()
+            except UnicodeDecodeError:  # the earlier text ends inside a character: no match
+                continue
+    return None

@@ -1,21 +1,25 @@
-"""A session's root in the dialects other than chat completions, recorded as chat completions.
+"""A session's root in the dialects other than chat completions.
 
 POST /sessions/{id}/v1/messages      Anthropic's Messages API (``x-api-key`` or a bearer key)
 POST /sessions/{id}/v1/responses     OpenAI's Responses API (``previous_response_id`` kept in memory)
+POST /sessions/{id}/v1/completions   OpenAI's legacy completions (a prompt, no messages)
 
-Each request is translated into the chat-completions body the chat route sends
-(``buffer.service.gateway.anthropic``, ``.responses``), goes through the same
-``Gateway.complete`` (recorded token-exact), and its answer is translated back, streamed as the
-dialect's server-sent events when asked. Errors are in the dialect's own shape. Legacy
-``/v1/completions`` is not served: the engine client sends chat completions only.
+Messages and Responses requests are translated into the chat-completions body the chat route
+sends (``buffer.service.gateway.anthropic``, ``.responses``), go through the same
+``Gateway.complete`` (recorded token-exact), and their answer is translated back, streamed as
+the dialect's server-sent events when asked. Errors are in the dialect's own shape. A legacy
+completion goes to the engine's own ``/v1/completions`` (``Gateway.complete_text``,
+``buffer.service.gateway.completions``). A call whose agent disconnects is cancelled
+(``unless_disconnected``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
-import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Mapping
+from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -23,7 +27,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from buffer.errors import InvalidInput, RolloutBufferError
-from buffer.service.gateway import anthropic, responses
+from buffer.service.gateway import anthropic, completions, responses
 from buffer.service.gateway.service import Gateway
 from buffer.service.gateway.sessions import Session
 from buffer.service.gateway.translation import tool_arguments
@@ -34,15 +38,6 @@ from buffer.toolkit.llm import LLMError
 def _gateway(request: Request) -> Gateway:
     gateway: Gateway = request.app.state.gateway
     return gateway
-
-
-def _response_store(request: Request) -> responses.ResponseStore:
-    """The service's stored responses, made on first use (one per app)."""
-    state = request.app.state
-    store: responses.ResponseStore | None = getattr(state, "gateway_responses", None)
-    if store is None:
-        store = state.gateway_responses = responses.ResponseStore()
-    return store
 
 
 def _session(request: Request, gateway: Gateway) -> Session:
@@ -82,9 +77,9 @@ async def create_response(request: Request) -> Response:
     """OpenAI's Responses API, recorded as a chat completion: message, reasoning, function_call
     and function_call_output items, function tools, ``previous_response_id``, streaming as the
     Responses events."""
-    store = _response_store(request)
+    gateway = _gateway(request)
+    store = gateway.responses
     try:
-        gateway = _gateway(request)
         session = _session(request, gateway)
         body = await read_call_body(request)
         previous = None
@@ -107,13 +102,67 @@ async def create_response(request: Request) -> Response:
     except LLMError as exc:
         status = exc.status or 502
         return _error(responses.error_body(status, exc.engine_message or str(exc)), status)
-    response_id = f"resp_{uuid.uuid4().hex}"
+    response_id = f"resp_{os.urandom(16).hex()}"  # uuid4's randomness, without building a UUID
     response = responses.from_chat(answer, body, response_id, time.time())
     if body.get("store") is not False:
         store.put(response_id, responses.Stored(session.session_id, conversation, responses.reply_of(answer)))
     if body.get("stream"):
         return StreamingResponse(responses.stream_events(response), media_type="text/event-stream")
     return Response(orjson.dumps(response), media_type="application/json")
+
+
+async def create_completion(request: Request) -> Response:
+    """OpenAI's legacy completions: one prompt (a string or token ids), forwarded to the engine's
+    ``/v1/completions`` with token capture (token mode: as the ids the gateway holds) and recorded;
+    ``n``, ``stop``, ``logprobs``, ``stream`` as OpenAI's ``text_completion`` chunks."""
+    try:
+        gateway = _gateway(request)
+        session = _session(request, gateway)
+        body = await read_call_body(request)
+        call = gateway.complete_text(session, body, headers=request.headers)
+        answer = await unless_disconnected(request, call)
+    except InvalidInput as exc:
+        field = exc.errors[0]["field"] if exc.errors else None
+        return _error(responses.error_body(exc.status_code, exc.message, field), exc.status_code)
+    except RolloutBufferError as exc:
+        return _error(responses.error_body(exc.status_code, exc.message), exc.status_code, exc.headers())
+    except LLMError as exc:
+        status = exc.status or 502
+        return _error(responses.error_body(status, exc.engine_message or str(exc)), status)
+    except AgentGone:
+        return Response(status_code=499)  # nobody reads it
+    answer = completions.for_agent(answer, body)
+    if body.get("stream"):
+        return StreamingResponse(completions.stream_chunks(answer, body), media_type="text/event-stream")
+    return Response(orjson.dumps(answer), media_type="application/json")
+
+
+_T = TypeVar("_T")
+
+
+class AgentGone(Exception):
+    """The agent disconnected before its answer came."""
+
+
+async def unless_disconnected(request: Request, answer: Awaitable[_T]) -> _T:
+    """``answer``, or ``AgentGone`` once the agent disconnects: the call is then cancelled (the
+    gateway cancels it at the engine unless an SDK's retry comes for it)."""
+    task = asyncio.ensure_future(answer)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        raise AgentGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _error(body: Mapping[str, Any], status: int, headers: Mapping[str, str] | None = None) -> Response:
@@ -125,6 +174,7 @@ def _error(body: Mapping[str, Any], status: int, headers: Mapping[str, str] | No
 ROUTES = [
     Route("/sessions/{session_id}/v1/messages", messages, methods=["POST"]),
     Route("/sessions/{session_id}/v1/responses", create_response, methods=["POST"]),
+    Route("/sessions/{session_id}/v1/completions", create_completion, methods=["POST"]),
 ]
 
 
@@ -164,5 +214,11 @@ OPENAPI_PATHS: dict[str, Any] = {
         create_response.__doc__,
         "responses_sessions__session_id__v1_responses_post",
         "a response object (a stream of Responses events with stream: true)",
+    ),
+    "/sessions/{session_id}/v1/completions": _operation(
+        "Completions (legacy)",
+        create_completion.__doc__,
+        "completions_sessions__session_id__v1_completions_post",
+        "a text_completion (a stream of text_completion chunks with stream: true)",
     ),
 }

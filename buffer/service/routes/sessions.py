@@ -5,6 +5,7 @@ GET  /sessions/{id}                             its state: calls, tree, reward
 POST /sessions/{id}/v1/chat/completions         proxied to the engine and recorded
 POST /sessions/{id}/v1/messages                 Anthropic's Messages API, recorded alike (``dialects``)
 POST /sessions/{id}/v1/responses                OpenAI's Responses API, recorded alike (``dialects``)
+POST /sessions/{id}/v1/completions              OpenAI's legacy completions, recorded (``dialects``)
 GET  /sessions/{id}/v1/models                   the engine's models
 POST /sessions/{id}/reward                      {"reward": number | {name: number}}
 POST /sessions/{id}/end                         write the trajectory (or {"discard": true}); retried
@@ -16,8 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import APIRouter, Header, Request
@@ -36,6 +36,7 @@ from buffer.service.models import FiniteNumber, InstanceId, Int64, check_storabl
 from buffer.service.responses import envelope
 from buffer.service.routes import dialects
 from buffer.service.routes.agent_body import read_call_body
+from buffer.service.routes.dialects import AgentGone, unless_disconnected
 from buffer.toolkit.llm import LLMError
 
 router = APIRouter(tags=["gateway"])
@@ -164,37 +165,9 @@ async def chat_completions(request: Request) -> Response:
     return Response(orjson.dumps(answer), media_type="application/json")
 
 
-_T = TypeVar("_T")
-
-
-class AgentGone(Exception):
-    """The agent disconnected before its answer came."""
-
-
-async def unless_disconnected(request: Request, answer: Awaitable[_T]) -> _T:
-    """``answer``, or ``AgentGone`` once the agent disconnects: the call is then cancelled (the
-    gateway cancels it at the engine unless an SDK's retry comes for it)."""
-    task = asyncio.ensure_future(answer)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task not in done:
-        raise AgentGone
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 ROUTES = [
     Route("/sessions/{session_id}/v1/chat/completions", chat_completions, methods=["POST"]),
-    *dialects.ROUTES,  # Anthropic Messages, OpenAI Responses: translated into chat completions
+    *dialects.ROUTES,  # Anthropic Messages, OpenAI Responses (as chat completions), legacy completions
 ]
 
 _SESSION_ID = {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
