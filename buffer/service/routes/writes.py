@@ -2,7 +2,8 @@
 
 These are plain Starlette endpoints placed first in the route table: FastAPI's per-request
 dependency solving and body handling cost more than the write itself. The body is parsed once
-and checked (``buffer.service.models.read_trajectory``); ``OPENAPI_PATHS`` documents them.
+and checked, its token lists kept as the client's bytes (``buffer.service.token_bytes``);
+``OPENAPI_PATHS`` documents them.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from buffer.errors import InvalidInput
-from buffer.service.models import read_trajectories, read_trajectory
 from buffer.service.responses import envelope
 from buffer.service.services import Services
+from buffer.service.token_bytes import read_trajectories, read_trajectory
 
 
 async def write(request: Request) -> Response:
