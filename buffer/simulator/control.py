@@ -40,7 +40,8 @@ class PauseBody(BaseModel):
 
 
 class UpdateWeightsBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # SGLang's field is model_path: pydantic before 2.10 reserves model_ for itself and warns.
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
 
     model_path: str | None = None
     weight_version: str | None = None

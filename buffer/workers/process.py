@@ -207,6 +207,8 @@ class WorkerProcess:
                 break
             await asyncio.sleep(0.02)
         await self._progress_received()
+        if self.outcome is None:  # how it ended, said now: the task in ``wait`` may be cancelled next
+            self.outcome = self._read_outcome(self.process.returncode)
 
     def rss_bytes(self) -> int | None:
         """Its resident memory (Linux), None once it has exited."""

@@ -287,6 +287,28 @@ async def test_a_daemon_a_generator_detached_ends_when_its_worker_is_stopped(tmp
             os.kill(daemon, signal.SIGKILL)
 
 
+DEAF = """
+import pathlib, signal, time
+TASK_TYPE = "probe"
+def run_rollout(data):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    pathlib.Path(data["ready"]).write_text("deaf")
+    while True:
+        time.sleep(0.05)
+"""
+
+
+async def test_a_stopped_worker_says_how_it_ended_though_nobody_waited_for_it(tmp_path: Path) -> None:
+    # A cancel answers with the workers' exits once ``stop`` returns; the task waiting in
+    # ``wait`` is cancelled right after, so ``stop`` must not leave the telling to it.
+    ready = tmp_path / "ready"
+    worker = await run_worker(tmp_path, DEAF, {"ready": str(ready)})
+    await wait_for_file(ready)
+    await worker.stop(0.3)
+    assert worker.describe()["exit"] == "was killed by SIGKILL"
+    assert (await worker.wait()).status == "failed"
+
+
 async def test_the_services_key_reaches_the_worker_not_its_environment(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     worker = await run_worker(tmp_path, KEY_PROBE, {"out": str(out)}, api_key="s3cret")
