@@ -7,13 +7,18 @@ opens a new group; the server runs with ``--group-size 8`` so the groups stay pe
 - figure 2 ("prefilled"): a fresh server with ``--prefill`` (default 50,000) incomplete groups
   already pending, written through ``POST /buffer/write_batch`` before wrk starts.
 - reference ("baseline", only with ``--mode baseline`` or ``--mode all``): wrk ``GET /``, a route
-  that does nothing, to show the ceiling of the HTTP stack itself on this machine.
+  that does nothing, to show what any FastAPI route costs on this server. The writes skip FastAPI's
+  layers and routing (``buffer.service.app.ServiceApp``), so a write costs less server CPU than it.
 - "durable" (``--mode durability`` runs it against "empty"): a fresh server with ``--data-dir``
   (a new folder each run) and ``--durability sync`` (or ``--durability flush``): each write is
   answered once it is on disk. The issue's bar: at least half the in-memory rate.
 - "durable-before" (``--mode durability --before DIR``): the same against the code checked out
   in DIR (e.g. a worktree of main), alternating with the others in the same run, so a change
   to the storage is measured before and after on the same machine under the same load.
+- "empty-before", "prefilled-before", "baseline-before" (``--before DIR`` with any other mode):
+  each in-memory mode against the code in DIR too, run right after it: a change to the request
+  path measured before and after, interleaved. Compare ``per_cpu_s`` (writes per second of the
+  server's CPU), which other load on the machine disturbs far less than the rate.
 
 Each run starts its own server on a free loopback port; runs of the two kinds alternate so slow
 drift of the machine affects both alike. Before measuring, a short wrk warm-up runs (its writes
@@ -32,6 +37,7 @@ Run (from the repository root, with the dev venv):
     .venv/bin/python bench/write_rate.py --mode all           # also the GET / baseline
     .venv/bin/python bench/write_rate.py --mode durability    # in memory against --data-dir
     .venv/bin/python bench/write_rate.py --mode durability --before ../main   # and main's code
+    .venv/bin/python bench/write_rate.py --mode all --before /tmp/before --runs 3 --duration 5
 
 Needs ``wrk`` on the PATH (or ``--wrk``).
 """
@@ -151,12 +157,12 @@ def run_wrk(args: argparse.Namespace, url: str, script: Path, duration_s: float)
 
 
 def one_run(args: argparse.Namespace, mode: str, workdir: Path, index: int) -> dict[str, Any]:
-    prefill = args.prefill if mode == "prefilled" else 0
+    prefill = args.prefill if mode in ("prefilled", "prefilled-before") else 0
     extra = common.server_args(args.server_args)
     entry = common.REPO / "buffer.py"
     if mode.startswith("durable"):
         extra += ["--data-dir", str(workdir / f"data-{mode}-{index}"), "--durability", args.durability]
-    if mode == "durable-before":
+    if mode.endswith("-before"):
         entry = args.before.resolve() / "buffer.py"  # its own folder first on sys.path: its code
     with (
         common.Server(args.group_size, extra, entry=entry) as server,
@@ -177,13 +183,15 @@ def one_run(args: argparse.Namespace, mode: str, workdir: Path, index: int) -> d
         if args.warmup > 0:
             warm_script = workdir / f"warm-{index}.lua"
             warm_script.write_text(
-                BASELINE_LUA if mode == "baseline" else lua_script(f"warm{index}-", args.size)
+                BASELINE_LUA if mode.startswith("baseline") else lua_script(f"warm{index}-", args.size)
             )
             run_wrk(args, server.url, warm_script, args.warmup)
             common.settle(lambda: common.buffer_stats(client)["total_written"])
         before = common.buffer_stats(client)
         script = workdir / f"run-{index}.lua"
-        script.write_text(BASELINE_LUA if mode == "baseline" else lua_script(f"run{index}-", args.size))
+        script.write_text(
+            BASELINE_LUA if mode.startswith("baseline") else lua_script(f"run{index}-", args.size)
+        )
         cpu_before = common.cpu_seconds(server.pid)
         machine_before = common.machine_cpu()
         start = time.monotonic()
@@ -205,7 +213,7 @@ def one_run(args: argparse.Namespace, mode: str, workdir: Path, index: int) -> d
         "socket_errors": result["connect"] + result["read"] + result["write"] + result["timeout"],
         "landed": landed,
         # written, but wrk stopped before the response came (at most one per connection)
-        "unanswered": landed - completed_ok if mode != "baseline" else 0,
+        "unanswered": landed - completed_ok if not mode.startswith("baseline") else 0,
         "duplicates": after["duplicates"] - before["duplicates"],
         "p50_ms": result["p50_us"] / 1000,
         "p99_ms": result["p99_us"] / 1000,
@@ -227,6 +235,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "all": ["empty", "prefilled", "baseline"],
         "durability": ["empty", "durable", *(["durable-before"] if args.before else [])],
     }.get(args.mode, [args.mode])
+    if args.before and args.mode != "durability":  # each mode, then the same against DIR's code
+        modes = [name for mode in modes for name in (mode, f"{mode}-before")]
     print(
         f"write_rate: wrk -t{args.threads} -c{args.connections} -d{args.duration:g}s, "
         f"~{args.size} B trajectories, group size {args.group_size}, {args.runs} run(s) of {'/'.join(modes)}"
@@ -285,6 +295,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratio = result["durable-before"]["median"] / result["empty"]["median"]
         result["durable_before_ratio"] = ratio
         print(f"durable ({args.durability}), {args.before} / in memory (medians): {ratio:.3f}")
+    for mode in modes:
+        if mode.endswith("-before") and mode != "durable-before":
+            after_runs = [r for r in runs if r["mode"] == mode.removesuffix("-before")]
+            before_runs = [r for r in runs if r["mode"] == mode]
+            for key, what in (("rate", "requests/s"), ("per_cpu_s", "requests per server CPU second")):
+                now = statistics.median(r[key] for r in after_runs)
+                then = statistics.median(r[key] for r in before_runs)
+                result[f"{mode}_{key}_ratio"] = now / then
+                print(
+                    f"{mode.removesuffix('-before'):>14}: {what}, medians: {now:,.0f} against {then:,.0f} "
+                    f"before ({(now / then - 1) * 100:+.1f}%)"
+                )
     return result
 
 
@@ -304,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--before",
         type=Path,
         default=None,
-        help="with --mode durability: also run the checkout in this folder",
+        help="also run the checkout in this folder: its durable runs with --mode durability, "
+        "else each mode's runs interleaved (empty-before, ...)",
     )
     parser.add_argument("--runs", type=int, default=3, help="runs of each mode (default 3)")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per wrk run (default 10)")

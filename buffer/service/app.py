@@ -1,4 +1,13 @@
-"""The application factory: ``create_app(settings)``; all state is built in the lifespan."""
+"""The application factory: ``create_app(settings)``; all state is built in the lifespan.
+
+A request passes one layer of the service's own before its route, ``ServiceGuard``
+(``buffer.service.security``: its id, the API key, the ``Host``, a browser's origin and content
+type, the body's size, in one pass over the headers). FastAPI's routes sit behind FastAPI's own
+layers as well (its error handlers, telemetry, body limit, exit stack, router). The hot routes
+(``HOT_ROUTES``: the writes and ``/get_rollout_data``) are answered ahead of all of that:
+``ServiceApp`` hands them to the guard and then straight to their endpoint, errors answered as
+FastAPI's handlers answer them. ``docs/performance.md`` has what each layer cost.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +16,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -16,12 +25,12 @@ from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from buffer import __version__
 from buffer.core.registry import GeneratorRegistry
 from buffer.core.rollout_buffer import RolloutBuffer
 from buffer.errors import InvalidInput, RolloutBufferError
-from buffer.logs import RequestIdMiddleware
 from buffer.policy.gate import Gate
 from buffer.service.gateway.images import ImagePolicy
 from buffer.service.gateway.proxy import EngineProxy
@@ -48,15 +57,7 @@ from buffer.service.routes import (
     trajectories,
     writes,
 )
-from buffer.service.security import (
-    ApiKeyMiddleware,
-    BodySizeLimitMiddleware,
-    BrowserGuardMiddleware,
-    HostGuardMiddleware,
-    host_rule,
-    required_key,
-    warn_if_exposed,
-)
+from buffer.service.security import ServiceGuard, host_rule, required_key, warn_if_exposed
 from buffer.service.services import Services, Stopping, local_url
 from buffer.service.settings import Settings
 from buffer.signal import Signal
@@ -65,8 +66,16 @@ from buffer.store.sqlite import Journal
 
 logger = logging.getLogger(__name__)
 
+#: A hot route's endpoint: the request (its app, its connection) and its whole body; None hands
+#: the request to FastAPI's route of the same path, the body replayed (a body it is not sure of,
+#: so that an error reads as FastAPI's validation writes it).
+HotEndpoint = Callable[[Request, bytes], Awaitable[Response | None]]
+#: ``POST`` routes answered ahead of FastAPI's layers and routing; each has a route in the router
+#: too, which the OpenAPI schema describes and which answers when FastAPI's telemetry is on.
+HOT_ROUTES: dict[str, HotEndpoint] = {**writes.HOT_ROUTES, **rollout.HOT_ROUTES}
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+
+def create_app(settings: Settings | None = None) -> ServiceApp:
     settings = settings or Settings()
 
     @contextlib.asynccontextmanager
@@ -149,7 +158,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 logger.info("the buffer is on disk in %s", settings.data_dir)
 
     # /docs is served from vendored files (routes/docs.py), not FastAPI's CDN page; no ReDoc.
-    app = FastAPI(
+    app = ServiceApp(
         title="rollout-buffer", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.router.routes[:0] = writes.ROUTES + sessions.ROUTES  # first: matched before any other route
@@ -171,19 +180,124 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     for module in modules:
         app.include_router(module.router)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
-    app.add_middleware(BrowserGuardMiddleware, allowed_origins=settings.allowed_origins)
-    if (hosts := host_rule(settings)) is not None:
-        app.add_middleware(HostGuardMiddleware, rule=hosts)
-    if (key := required_key(settings)) is not None:  # no key: no middleware, no cost
-        app.add_middleware(ApiKeyMiddleware, api_key=key)
-    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so a 401 or 413 has an id too
+    guard: dict[str, Any] = {
+        "max_bytes": settings.max_request_bytes,
+        "allowed_origins": settings.allowed_origins,
+        "hosts": host_rule(settings),  # None: any host
+        "api_key": required_key(settings),  # None: no key asked
+    }
+    app.add_middleware(ServiceGuard, **guard)  # the one layer of ours: FastAPI's routes
+    app.route_hot(HOT_ROUTES, ServiceGuard(HotRoutes(app), **guard))  # the same checks: the hot routes
     app.add_exception_handler(RolloutBufferError, _buffer_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+class ServiceApp(FastAPI):
+    """FastAPI's app, with the hot routes (``route_hot``) answered ahead of its layers and routing:
+    a ``POST`` to one of their paths goes to its guard (a ``ServiceGuard`` in front of
+    ``HotRoutes``), anything else to FastAPI as usual. A write passes three ASGI callables
+    (this, the guard, ``HotRoutes``) where FastAPI's way is about ten (Starlette's and FastAPI's
+    five layers, ours, the router, the route and its wrappers). When FastAPI's telemetry is on
+    (OpenTelemetry configured), every request goes FastAPI's way, so that its spans miss none."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.hot_routes: dict[str, HotEndpoint] = {}
+        self._hot_app: ASGIApp | None = None
+        self._hot_on: bool | None = None  # decided at the first request, once the lifespan has run
+
+    def route_hot(self, routes: dict[str, HotEndpoint], app: ASGIApp) -> None:
+        """Answer ``POST`` to ``routes``' paths with ``app`` (which ends in ``HotRoutes``)."""
+        self.hot_routes = dict(routes)
+        self._hot_app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["path"] in self.hot_routes
+            and scope["method"] == "POST"
+            and (self._hot_on if self._hot_on is not None else self._decide_hot())
+        ):
+            assert self._hot_app is not None
+            scope["app"] = self  # as Starlette sets it: request.app
+            await self._hot_app(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+    async def routed(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """FastAPI's way for a request, layers and routing, whatever its path."""
+        await super().__call__(scope, receive, send)
+
+    def _decide_hot(self) -> bool:
+        telemetry = getattr(self, "_native_telemetry", None)  # FastAPI's, configured at start-up
+        self._hot_on = telemetry is None or not telemetry.enabled()
+        return self._hot_on
+
+
+class HotRoutes:
+    """The hot routes' endpoints, behind the app's ``ServiceGuard``: the body read whole, then
+    its endpoint; a ``RolloutBufferError`` (or a Starlette ``HTTPException``) answered as the app's
+    handlers answer it, anything else a bare 500, logged, and raised on to the server as
+    Starlette's outermost layer does. An endpoint that answers None hands the request, its body
+    replayed, to FastAPI's route of the same path (the guard's checks are not made twice)."""
+
+    def __init__(self, app: ServiceApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _read_body(receive)
+        if body is None:  # the client has gone, or the guard has refused the body (413)
+            return
+        request = Request(scope, receive)
+        try:
+            response = await self.app.hot_routes[scope["path"]](request, body)
+        except RolloutBufferError as exc:
+            response = await _buffer_error(request, exc)
+        except HTTPException as exc:
+            response = await _http_error(request, exc)
+        except Exception as exc:
+            await (await _unexpected_error(request, exc))(scope, receive, send)
+            raise
+        if response is None:
+            await self.app.routed(scope, _replay(body, receive), send)
+        else:
+            await response(scope, receive, send)
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The request's whole body; None if a disconnect comes first."""
+    message = await receive()
+    if message["type"] != "http.request":
+        return None
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body", False):
+        return body
+    chunks = [body]
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """``receive`` with ``body`` (read already) as its first message."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if replayed:
+            return await receive()
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
 
 
 def _open_store(settings: Settings) -> Store | None:

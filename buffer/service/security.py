@@ -1,14 +1,19 @@
 """What the service lets in and what it lets out.
 
-In: ``ApiKeyMiddleware`` asks every request but ``GET /`` and ``GET /health`` for the API key
-(``Authorization: Bearer <key>``, or HTTP Basic with the key as password so a browser can open
-the dashboard); ``BrowserGuardMiddleware`` refuses a POST from another web origin (403) and a
-body not sent as JSON (415), so a page the operator visits cannot write to or drain the buffer
-with a "simple" cross-origin request, key or no key; ``BodySizeLimitMiddleware`` refuses a body
-larger than ``max_request_bytes`` with a 413 before the route sees it; ``HostGuardMiddleware``
-answers 421 to a ``Host`` the service does not answer to (``--allowed-hosts``), so a page whose
-name is made to resolve to this machine (DNS rebinding) cannot talk to it as its own origin. All
-are pure ASGI: they run on every write.
+In: the API key is asked of every request but ``GET /`` and ``GET /health`` (``Authorization:
+Bearer <key>``, or HTTP Basic with the key as password so a browser can open the dashboard); a
+POST from another web origin is refused (403), and a body not sent as JSON (415), so a page the
+operator visits cannot write to or drain the buffer with a "simple" cross-origin request, key or
+no key; a body larger than ``max_request_bytes`` gets a 413 before the route sees it; a ``Host``
+the service does not answer to (``--allowed-hosts``) gets a 421, so a page whose name is made to
+resolve to this machine (DNS rebinding) cannot talk to it as its own origin.
+
+``ServiceGuard`` makes every one of those checks, and gives the request its id (``buffer.logs``),
+in one pure-ASGI layer and one pass over the headers: the service's app runs it once, in front of
+FastAPI's routes and in front of its hot routes alike (``buffer.service.app``). The same checks
+one layer each (``ApiKeyMiddleware``, ``BrowserGuardMiddleware``, ``BodySizeLimitMiddleware``,
+``HostGuardMiddleware``) remain for apps that take some of them: the gateway processes'
+(``buffer.service.gateway_process``). Both share the rules below, so they answer alike.
 
 Out: no traceback reaches a client; the API names where an error happened instead
 (``buffer.core.registry.where``) and the log keeps the whole traceback. Unexpected errors are a bare
@@ -22,6 +27,7 @@ import binascii
 import hmac
 import ipaddress
 import logging
+import random
 import socket
 from dataclasses import dataclass
 
@@ -29,6 +35,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from buffer.keys import API_KEY_VARIABLE
+from buffer.logs import MAX_REQUEST_ID_LENGTH, request_id
 from buffer.service.responses import envelope
 from buffer.service.settings import Settings
 
@@ -84,54 +91,78 @@ def _is_session_api(path: str) -> bool:
     return path.startswith("/sessions/") and "/v1/" in path
 
 
+def _key_is_asked(scope: Scope) -> bool:
+    """Every request asks for the key but a probe's (``GET /``, ``GET /health``) and a gateway
+    session's API calls; a lifespan is no request."""
+    return not (
+        scope["type"] == "lifespan"
+        or (scope.get("method") in OPEN_METHODS and scope["path"] in OPEN_PATHS)
+        or _is_session_api(scope["path"])
+    )
+
+
+class _Key:
+    """The API key, and what a request's ``Authorization`` header lacks to match it."""
+
+    def __init__(self, api_key: str) -> None:
+        if not api_key:
+            raise ValueError("api_key must not be empty")
+        self._key = api_key.encode()
+        self._bearer = b"Bearer " + self._key  # what the clients send: checked first, as a whole
+
+    def problem(self, authorization: bytes | None) -> str | None:
+        """None when the key is right, else what is missing or wrong (never the key sent);
+        ``authorization``: the request's first such header."""
+        if authorization is None:
+            return MISSING_KEY
+        if hmac.compare_digest(authorization, self._bearer):
+            return None
+        scheme, _, credentials = authorization.strip().partition(b" ")
+        scheme = scheme.lower()
+        if scheme == b"bearer":
+            return self._check(credentials.strip())
+        if scheme == b"basic":
+            try:
+                decoded = base64.b64decode(credentials.strip(), validate=True)
+            except binascii.Error:
+                return "malformed Basic credentials: expected base64 of 'user:key'"
+            return self._check(decoded.partition(b":")[2])
+        return "unsupported Authorization scheme: send 'Authorization: Bearer <key>'"
+
+    def _check(self, key: bytes) -> str | None:
+        return None if hmac.compare_digest(key, self._key) else "wrong API key"
+
+    @staticmethod
+    async def refuse(scope: Scope, receive: Receive, send: Send, problem: str) -> None:
+        if scope["type"] != "http":  # a websocket: close it before accepting it
+            await send({"type": "websocket.close", "code": 1008, "reason": problem})
+            return
+        client = scope.get("client")
+        address = client[0] if client else "?"
+        logger.info("refused %s %s from %s: %s", scope["method"], scope["path"], address, problem)
+        await _unauthorized(problem, scope["path"])(scope, receive, send)
+
+
+def _first_authorization(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    for name, value in headers:
+        if name == b"authorization":
+            return value
+    return None
+
+
 class ApiKeyMiddleware:
     """Answers 401 to a request without the right key. Added only when a key is configured."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
-        if not api_key:
-            raise ValueError("api_key must not be empty")
         self.app = app
-        self._key = api_key.encode()
-        self._bearer = b"Bearer " + self._key  # what the clients send: checked first, as a whole
+        self._key = _Key(api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        open_path = (
-            scope["type"] == "lifespan"
-            or (scope.get("method") in OPEN_METHODS and scope["path"] in OPEN_PATHS)
-            or _is_session_api(scope["path"])
-        )
-        problem = None if open_path else self._problem(scope["headers"])
+        problem = self._key.problem(_first_authorization(scope["headers"])) if _key_is_asked(scope) else None
         if problem is None:
             await self.app(scope, receive, send)
-        elif scope["type"] != "http":  # a websocket: close it before accepting it
-            await send({"type": "websocket.close", "code": 1008, "reason": problem})
         else:
-            client = scope.get("client")
-            address = client[0] if client else "?"
-            logger.info("refused %s %s from %s: %s", scope["method"], scope["path"], address, problem)
-            await _unauthorized(problem, scope["path"])(scope, receive, send)
-
-    def _problem(self, headers: list[tuple[bytes, bytes]]) -> str | None:
-        """None when the key is right, else what is missing or wrong (never the key sent)."""
-        for name, value in headers:
-            if name == b"authorization":
-                if hmac.compare_digest(value, self._bearer):
-                    return None
-                scheme, _, credentials = value.strip().partition(b" ")
-                scheme = scheme.lower()
-                if scheme == b"bearer":
-                    return self._check(credentials.strip())
-                if scheme == b"basic":
-                    try:
-                        decoded = base64.b64decode(credentials.strip(), validate=True)
-                    except binascii.Error:
-                        return "malformed Basic credentials: expected base64 of 'user:key'"
-                    return self._check(decoded.partition(b":")[2])
-                return "unsupported Authorization scheme: send 'Authorization: Bearer <key>'"
-        return MISSING_KEY
-
-    def _check(self, key: bytes) -> str | None:
-        return None if hmac.compare_digest(key, self._key) else "wrong API key"
+            await _Key.refuse(scope, receive, send, problem)
 
 
 def _unauthorized(problem: str, path: str) -> Response:
@@ -162,9 +193,7 @@ class BrowserGuardMiddleware:
 
     def __init__(self, app: ASGIApp, allowed_origins: list[str] | None = None) -> None:
         self.app = app
-        allowed = allowed_origins or []
-        self._any_origin = "*" in allowed
-        self._allowed = frozenset(origin.rstrip("/").lower().encode() for origin in allowed)
+        self._origins = _Origins(allowed_origins)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in SAFE_METHODS:
@@ -180,14 +209,38 @@ class BrowserGuardMiddleware:
                 site = value
             elif name == b"host":
                 host = value
+        refusal = self._origins.refusal(scope, origin, site, host, content_type)
+        if refusal is None:
+            await self.app(scope, receive, send)
+        else:
+            await _Origins.refuse(scope, receive, send, *refusal)
+
+
+class _Origins:
+    """The origins a browser's POST may come from, and the answer to one that may not
+    (``BrowserGuardMiddleware``'s rule)."""
+
+    def __init__(self, allowed_origins: list[str] | None = None) -> None:
+        allowed = allowed_origins or []
+        self._any_origin = "*" in allowed
+        self._allowed = frozenset(origin.rstrip("/").lower().encode() for origin in allowed)
+
+    def refusal(
+        self,
+        scope: Scope,
+        origin: bytes | None,
+        site: bytes | None,
+        host: bytes | None,
+        content_type: bytes | None,
+    ) -> tuple[int, str] | None:
+        """None for a request that may pass (of a method not in ``SAFE_METHODS``), else the
+        status and the reason; the headers' values are their last."""
         if not self._any_origin and self._foreign(scope, origin, site, host):
             shown = (origin or b"another site").decode("latin-1")
-            problem = f"a browser request from {shown} is refused: allow its origin with --allowed-origins"
-            await self._refuse(scope, receive, send, 403, problem)
-        elif not _is_json(content_type):
-            await self._refuse(scope, receive, send, 415, NOT_JSON)
-        else:
-            await self.app(scope, receive, send)
+            return 403, f"a browser request from {shown} is refused: allow its origin with --allowed-origins"
+        if not _is_json(content_type):
+            return 415, NOT_JSON
+        return None
 
     def _foreign(self, scope: Scope, origin: bytes | None, site: bytes | None, host: bytes | None) -> bool:
         if site == b"same-origin":
@@ -199,7 +252,7 @@ class BrowserGuardMiddleware:
         return site in OTHER_SITES
 
     @staticmethod
-    async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, problem: str) -> None:
+    async def refuse(scope: Scope, receive: Receive, send: Send, status: int, problem: str) -> None:
         logger.info("refused %s %s: %s", scope["method"], scope["path"], problem)
         await envelope(False, problem, status_code=status)(scope, receive, send)
 
@@ -292,21 +345,36 @@ class HostGuardMiddleware:
         marked = False
         for name, value in scope["headers"]:
             if name == b"host":
-                host = value.decode("latin-1")
+                host = value
             elif name in BROWSER_MARKERS:
                 marked = True
-        if host is None or (self.rule.browsers_only and not marked) or self.rule.allows(host_name(host)):
+        problem = _host_problem(self.rule, host, marked)
+        if problem is None:
             await self.app(scope, receive, send)
-            return
-        problem = (
-            f"this service does not answer to the host {host[:200]!r}: if that name is this "
-            "service's, add it to --allowed-hosts (ROLLOUT_BUFFER_ALLOWED_HOSTS)"
-        )
-        logger.info("refused %s %s: %s", scope.get("method", "websocket"), scope["path"], problem)
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008, "reason": problem[:120]})
         else:
-            await envelope(False, problem, status_code=421)(scope, receive, send)
+            await _refuse_host(scope, receive, send, problem)
+
+
+def _host_problem(rule: HostRule, host: bytes | None, marked: bool) -> str | None:
+    """Why a request whose last ``Host`` is ``host`` is refused, or None; ``marked``: it carries
+    a browser's headers (``BROWSER_MARKERS``)."""
+    if host is None or (rule.browsers_only and not marked):
+        return None
+    name = host.decode("latin-1")
+    if rule.allows(host_name(name)):
+        return None
+    return (
+        f"this service does not answer to the host {name[:200]!r}: if that name is this "
+        "service's, add it to --allowed-hosts (ROLLOUT_BUFFER_ALLOWED_HOSTS)"
+    )
+
+
+async def _refuse_host(scope: Scope, receive: Receive, send: Send, problem: str) -> None:
+    logger.info("refused %s %s: %s", scope.get("method", "websocket"), scope["path"], problem)
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008, "reason": problem[:120]})
+    else:
+        await envelope(False, problem, status_code=421)(scope, receive, send)
 
 
 # -- the request size -------------------------------------------------------------------
@@ -330,7 +398,7 @@ class BodySizeLimitMiddleware:
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        self._message = f"request body is larger than max_request_bytes ({max_bytes} bytes)"
+        self._limit = _BodyLimit(max_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -346,14 +414,30 @@ class BodySizeLimitMiddleware:
                     chunked = True
             elif name == b"transfer-encoding":
                 chunked = True
+        await self._limit.run(self.app, scope, receive, send, length, chunked)
+
+
+class _BodyLimit:
+    """``BodySizeLimitMiddleware``'s rule: what a body's declared length lets through, and the
+    count of a body whose length is not declared."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._message = f"request body is larger than max_request_bytes ({max_bytes} bytes)"
+
+    async def run(
+        self, app: ASGIApp, scope: Scope, receive: Receive, send: Send, length: int | None, chunked: bool
+    ) -> None:
+        """Run ``app`` on an HTTP request whose ``Content-Length`` is ``length`` (None: none, or
+        none that reads as a number: ``chunked`` then) within the limit."""
         if length is not None and length > self.max_bytes:
             await self._refuse(scope, receive, send)
         elif length is not None and not chunked:
-            await self.app(scope, receive, send)
+            await app(scope, receive, send)
         else:
-            await self._counted(scope, receive, send)
+            await self._counted(app, scope, receive, send)
 
-    async def _counted(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _counted(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
         """Run the app on a body whose length is known only once it has all arrived."""
         received = 0
         refused = False
@@ -384,7 +468,7 @@ class BodySizeLimitMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, counting_receive, guarded_send)
+            await app(scope, counting_receive, guarded_send)
         except Exception:
             if not refused:
                 raise
@@ -398,3 +482,145 @@ class BodySizeLimitMiddleware:
         response = envelope(False, self._message, status_code=413)
         response.headers["connection"] = "close"
         await response(scope, receive, send)
+
+
+# -- all of them in one layer -----------------------------------------------------------
+
+#: Set in a request's scope by a ``ServiceGuard`` that has checked it: another guard further in
+#: (the app's own, when a hot route hands a request it is not sure of to FastAPI's routes) lets
+#: it through as it is, its id kept.
+CHECKED = "rollout_buffer.checked"
+
+
+class ServiceGuard:
+    """Every check of the service's, in one pure-ASGI layer and one pass over the headers.
+
+    What it answers, and in which order, is what ``RequestIdMiddleware`` (``buffer.logs``),
+    ``ApiKeyMiddleware`` (with ``api_key``), ``HostGuardMiddleware`` (with ``hosts``),
+    ``BrowserGuardMiddleware`` and ``BodySizeLimitMiddleware`` answer stacked in that order, the
+    first outermost: every HTTP request gets its id (the client's ``X-Request-ID`` when usable,
+    else a fresh one) in ``buffer.logs.request_id`` and on its response, a refusal included; then
+    the key, the ``Host``, a browser's origin and content type (methods not in ``SAFE_METHODS``)
+    and the body's size are checked, each refusal logged as those layers log it. A websocket is
+    asked for the key and the ``Host`` (and closed, not answered, when refused); a lifespan passes.
+    The five layers cost five coroutine calls and as many scans of the headers a request; this
+    one costs one of each (``bench/hot_path.py --mode layers``).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_bytes: int,
+        allowed_origins: list[str] | None = None,
+        hosts: HostRule | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        self.app = app
+        self._key = _Key(api_key) if api_key else None
+        self._hosts = hosts
+        self._origins = _Origins(allowed_origins)
+        self._limit = _BodyLimit(max_bytes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind != "http" or CHECKED in scope:
+            if kind == "websocket":
+                await self._websocket(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+            return
+        authorization = raw_id = host = origin = site = content_type = None
+        length: int | None = None
+        chunked = id_seen = False
+        for name, value in scope["headers"]:  # first authorization and X-Request-ID, last of the rest
+            if name == b"content-type":
+                content_type = value
+            elif name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:  # the server refuses it first; count the body if not
+                    chunked = True
+            elif name == b"host":
+                host = value
+            elif name == b"authorization":
+                if authorization is None:
+                    authorization = value
+            elif name == b"x-request-id":
+                if not id_seen:
+                    id_seen = True
+                    raw_id = _usable_id(value)
+            elif name == b"origin":
+                origin = value
+            elif name == b"sec-fetch-site":
+                site = value
+            elif name == b"transfer-encoding":
+                chunked = True
+        # A correlation tag, not a secret: the cheap generator will do on this hot path.
+        rid = f"{random.getrandbits(64):016x}" if raw_id is None else raw_id.decode()
+        header = (b"x-request-id", rid.encode() if raw_id is None else raw_id)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = message.get("headers")
+                if isinstance(headers, list):  # Starlette's own list: add to it, no copy
+                    headers.append(header)
+                else:
+                    message = {**message, "headers": [*(headers or ()), header]}
+            await send(message)
+
+        token = request_id.set(rid)
+        scope[CHECKED] = True
+        if self._key is not None and _key_is_asked(scope):
+            problem = self._key.problem(authorization)
+            if problem is not None:
+                await _Key.refuse(scope, receive, send_with_id, problem)
+                request_id.reset(token)
+                return
+        if self._hosts is not None:
+            problem = _host_problem(self._hosts, host, origin is not None or site is not None)
+            if problem is not None:
+                await _refuse_host(scope, receive, send_with_id, problem)
+                request_id.reset(token)
+                return
+        if scope["method"] not in SAFE_METHODS:
+            refusal = self._origins.refusal(scope, origin, site, host, content_type)
+            if refusal is not None:
+                await _Origins.refuse(scope, receive, send_with_id, *refusal)
+                request_id.reset(token)
+                return
+        await self._limit.run(self.app, scope, receive, send_with_id, length, chunked)
+        # Reset only on success, as RequestIdMiddleware: an exception goes on to the 500 handler
+        # outside this layer, whose log line should carry the id too. The context is this
+        # request's own, so leaving the id set there cannot mislabel another request.
+        request_id.reset(token)
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = scope["headers"]
+        if self._key is not None and _key_is_asked(scope):
+            problem = self._key.problem(_first_authorization(headers))
+            if problem is not None:
+                await _Key.refuse(scope, receive, send, problem)
+                return
+        if self._hosts is not None:
+            host = None
+            marked = False
+            for name, value in headers:
+                if name == b"host":
+                    host = value
+                elif name in BROWSER_MARKERS:
+                    marked = True
+            problem = _host_problem(self._hosts, host, marked)
+            if problem is not None:
+                await _refuse_host(scope, receive, send, problem)
+                return
+        await self.app(scope, receive, send)
+
+
+def _usable_id(value: bytes) -> bytes | None:
+    """A client's ``X-Request-ID`` if it is printable ASCII of at most 128 characters (as
+    ``buffer.logs.RequestIdMiddleware`` takes it)."""
+    value = value.strip()
+    if 0 < len(value) <= MAX_REQUEST_ID_LENGTH and value.isascii() and value.decode().isprintable():
+        return value
+    return None

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from buffer.service.app import create_app
-from buffer.service.security import ApiKeyMiddleware
+from buffer.service.security import ApiKeyMiddleware, ServiceGuard
 from buffer.service.settings import Settings
 from buffer.toolkit.sink import HttpSink
 from buffer.trainer.client import AsyncRolloutBufferClient, BufferRequestError, RolloutBufferClient
@@ -143,6 +143,8 @@ def test_without_a_key_everything_is_open_and_no_middleware_runs(
     app = client.app
     assert isinstance(app, FastAPI)
     assert ApiKeyMiddleware not in [middleware.cls for middleware in app.user_middleware]
+    guards = [middleware for middleware in app.user_middleware if middleware.cls is ServiceGuard]
+    assert [guard.kwargs["api_key"] for guard in guards] == [None]  # the one layer asks for no key
     write_all(client, group("q", [0.0, 1.0]))
     assert len(read(client)["data"]["data"]) == 2
     ignored = {"authorization": "Bearer whatever"}

@@ -1,4 +1,9 @@
-"""What the trainer calls: ``/start_rollout`` and ``/get_rollout_data``."""
+"""What the trainer calls: ``/start_rollout`` and ``/get_rollout_data``.
+
+``/get_rollout_data`` is a hot route too (``HOT_ROUTES``, ``buffer.service.app.ServiceApp``): a
+body it reads as FastAPI would is answered ahead of FastAPI's machinery, anything else by the
+FastAPI route, so that its errors read as they always have.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -153,7 +159,27 @@ async def get_rollout_data(
     body: Annotated[GetRolloutDataRequest | None, Body()] = None,
 ) -> Response:
     """Take ready groups, whole and oldest first. Nothing ready is a 200 with ``success: false``."""
-    body = body or GetRolloutDataRequest()
+    return await _read(request, svc, body or GetRolloutDataRequest())
+
+
+async def get_rollout_data_hot(request: Request, raw: bytes) -> Response | None:
+    """``get_rollout_data`` on a body read and validated as FastAPI would (``json.loads``, the
+    model in Python mode): an empty body is the defaults; anything else that does not validate
+    (invalid JSON, ``null``, a wrong field) is None: FastAPI's route answers it."""
+    if raw:
+        try:
+            parsed = json.loads(raw)
+            if not isinstance(parsed, dict):
+                return None
+            body = GetRolloutDataRequest.model_validate(parsed)
+        except (ValueError, RecursionError, ValidationError):  # a JSONDecodeError is a ValueError
+            return None
+    else:
+        body = GetRolloutDataRequest()
+    return await _read(request, request.app.state.services, body)
+
+
+async def _read(request: Request, svc: Services, body: GetRolloutDataRequest) -> Response:
     check_storable(body)
     svc.check_task(body.task_type)
     for task_type in body.mix or ():
@@ -169,3 +195,6 @@ async def get_rollout_data(
     if not result.groups:
         return items_response(False, "No data available to read", (), result.meta_info)
     return items_response(True, f"Successfully read {result.num_items} items", items, result.meta_info)
+
+
+HOT_ROUTES = {"/get_rollout_data": get_rollout_data_hot}

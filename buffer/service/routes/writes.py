@@ -1,13 +1,16 @@
 """The hot path: ``/buffer/write`` and ``/buffer/write_batch``.
 
-These are plain Starlette endpoints placed first in the route table: FastAPI's per-request
-dependency solving and body handling cost more than the write itself. The body is parsed once
-and checked, its token lists kept as the client's bytes (``buffer.service.token_bytes``);
-``OPENAPI_PATHS`` documents them.
+Each endpoint takes the request and its body. ``HOT_ROUTES`` are answered ahead of FastAPI's
+layers and routing (``buffer.service.app.ServiceApp``): FastAPI's per-request machinery costs
+more than the write itself. ``ROUTES`` are the same endpoints as plain Starlette routes first in
+the route table, for when FastAPI's telemetry is on. The body is parsed once and checked, its
+token lists kept as the client's bytes (``buffer.service.token_bytes``); ``OPENAPI_PATHS``
+documents them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -20,10 +23,9 @@ from buffer.service.services import Services
 from buffer.service.token_bytes import read_trajectories, read_trajectory
 
 
-async def write(request: Request) -> Response:
+async def write(request: Request, body: bytes) -> Response:
     """Buffer one trajectory. A retried write (same ``uid``) is accepted and counted once."""
     svc: Services = request.app.state.services
-    body = await request.body()
     trajectory = read_trajectory(body)
     result = svc.buffer.write(trajectory)
     await svc.buffer.wait_durable()
@@ -37,10 +39,9 @@ async def write(request: Request) -> Response:
     )
 
 
-async def write_batch(request: Request) -> Response:
+async def write_batch(request: Request, body: bytes) -> Response:
     """Buffer many trajectories at once, all or none: one invalid item refuses the batch."""
     svc: Services = request.app.state.services
-    body = await request.body()
     first = body.lstrip()[:1]
     if first in (b"{", b"["):
         items = read_trajectories(body, batch=first == b"{")
@@ -57,9 +58,22 @@ async def write_batch(request: Request) -> Response:
     )
 
 
+Endpoint = Callable[[Request, bytes], Awaitable[Response]]
+
+
+def _route(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
+    """``endpoint`` as a Starlette endpoint: the body read, then the endpoint."""
+
+    async def route(request: Request) -> Response:
+        return await endpoint(request, await request.body())
+
+    return route
+
+
+HOT_ROUTES: dict[str, Endpoint] = {"/buffer/write": write, "/buffer/write_batch": write_batch}
 ROUTES = [
-    Route("/buffer/write", write, methods=["POST"]),
-    Route("/buffer/write_batch", write_batch, methods=["POST"]),
+    Route(path, _route(endpoint), methods=["POST"], name=endpoint.__name__)
+    for path, endpoint in HOT_ROUTES.items()
 ]
 
 _TRAJECTORY = {"$ref": "#/components/schemas/Trajectory"}
