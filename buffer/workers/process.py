@@ -198,7 +198,7 @@ class WorkerProcess:
         if self.process.returncode is None:  # below it, while it lives: a subreaper's orphans too
             await asyncio.to_thread(kill_descendants, self.process.pid)
         self._kill_group(signal.SIGKILL)
-        await self.process.wait()
+        code = await self.process.wait()
         await self._end_lineage()
         # A signal is delivered when its process next runs: until then, one of its processes may
         # still send a write. Return once none is left (zombies, dead already, do not count).
@@ -208,7 +208,7 @@ class WorkerProcess:
             await asyncio.sleep(0.02)
         await self._progress_received()
         if self.outcome is None:  # how it ended, said now: the task in ``wait`` may be cancelled next
-            self.outcome = self._read_outcome(self.process.returncode)
+            self.outcome = self._read_outcome(code)
 
     def rss_bytes(self) -> int | None:
         """Its resident memory (Linux), None once it has exited."""
