@@ -149,6 +149,25 @@ def _number(level: str) -> int:
     return number
 
 
+def with_request_id(raw: bytes | None, send: Send) -> tuple[str, Send]:
+    """The request's id (``raw``, the client's usable one, or a new one) and ``send`` adding it to
+    the response's headers as ``x-request-id``."""
+    # A correlation tag, not a secret: the cheap generator will do on this hot path.
+    rid = f"{random.getrandbits(64):016x}" if raw is None else raw.decode()
+    header = (b"x-request-id", rid.encode() if raw is None else raw)
+
+    async def send_with_id(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = message.get("headers")
+            if isinstance(headers, list):  # Starlette's own list: add to it, no copy
+                headers.append(header)
+            else:
+                message = {**message, "headers": [*(headers or ()), header]}
+        await send(message)
+
+    return rid, send_with_id
+
+
 def _incoming_id(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     """The client's ``X-Request-ID`` if it is printable ASCII of at most 128 characters."""
     for name, value in headers:
@@ -174,20 +193,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        raw = _incoming_id(scope["headers"])
-        # A correlation tag, not a secret: the cheap generator will do on this hot path.
-        rid = f"{random.getrandbits(64):016x}" if raw is None else raw.decode()
-        header = (b"x-request-id", rid.encode() if raw is None else raw)
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = message.get("headers")
-                if isinstance(headers, list):  # Starlette's own list: add to it, no copy
-                    headers.append(header)
-                else:
-                    message = {**message, "headers": [*(headers or ()), header]}
-            await send(message)
-
+        rid, send_with_id = with_request_id(_incoming_id(scope["headers"]), send)
         token = request_id.set(rid)
         await self.app(scope, receive, send_with_id)
         # Reset only on success: an exception goes on to Starlette's ServerErrorMiddleware (outside

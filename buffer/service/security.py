@@ -27,7 +27,6 @@ import binascii
 import hmac
 import ipaddress
 import logging
-import random
 import socket
 from dataclasses import dataclass
 
@@ -35,7 +34,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from buffer.keys import API_KEY_VARIABLE
-from buffer.logs import MAX_REQUEST_ID_LENGTH, request_id
+from buffer.logs import MAX_REQUEST_ID_LENGTH, request_id, with_request_id
 from buffer.service.responses import envelope
 from buffer.service.settings import Settings
 
@@ -556,19 +555,7 @@ class ServiceGuard:
                 site = value
             elif name == b"transfer-encoding":
                 chunked = True
-        # A correlation tag, not a secret: the cheap generator will do on this hot path.
-        rid = f"{random.getrandbits(64):016x}" if raw_id is None else raw_id.decode()
-        header = (b"x-request-id", rid.encode() if raw_id is None else raw_id)
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = message.get("headers")
-                if isinstance(headers, list):  # Starlette's own list: add to it, no copy
-                    headers.append(header)
-                else:
-                    message = {**message, "headers": [*(headers or ()), header]}
-            await send(message)
-
+        rid, send_with_id = with_request_id(raw_id, send)
         token = request_id.set(rid)
         scope[CHECKED] = True
         if self._key is not None and _key_is_asked(scope):
