@@ -12,8 +12,10 @@ it holds (issue 26).
    writer starts them when the log grows; by hand here so that a run needs minutes, not
    hours). The run ends when the last compaction is installed and its cleanup done.
 3. Reported: the writes' latency percentiles and the longest, the rate, the time each
-   compaction took, and the folder's largest size (sampled every 50 ms) against the bytes the
-   database holds (snapshot, events and export: ``held``).
+   compaction took and what it wrote (``stagings``: whole or a delta, pieces, MB, seconds), and
+   the folder's largest size (sampled every 100 ms) against the bytes the database holds then
+   (``held``: the snapshot, the events after it, the export, by the journal's own counts,
+   checked against a scan of the database at the end: ``held_at_end_gb``).
 
 Run from the repository root with the dev venv; ``--code DIR`` measures another checkout's
 store (e.g. ``git worktree add /tmp/before HEAD``) with the same bench:
@@ -21,6 +23,7 @@ store (e.g. ``git worktree add /tmp/before HEAD``) with the same bench:
     .venv/bin/python bench/compaction.py                         # 1M, 3 compactions
     .venv/bin/python bench/compaction.py --fill 100000 --compactions 2
     .venv/bin/python bench/compaction.py --code /tmp/before
+    .venv/bin/python bench/compaction.py --back-to-back --interval 20   # 20 s of change each
 """
 
 from __future__ import annotations
@@ -49,15 +52,31 @@ def folder_bytes(folder: Path) -> int:
 
 
 def held_bytes(database: Path) -> int:
-    """What the database holds: the active snapshot, the events after it, the export."""
+    """What the database holds: the snapshot installed (its live rows; or the whole ``snapshot``
+    table of the former format), the events after it, the export."""
     with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as db:
         row = db.execute("SELECT value FROM meta WHERE key = 'snapshot_through'").fetchone()
         through = int(row[0]) if row else 0
         size = "coalesce(sum(length(header) + length(payload)), 0)"
-        snapshot = db.execute(f"SELECT {size} FROM snapshot").fetchone()[0]
+        row = db.execute("SELECT value FROM meta WHERE key = 'snapshot_generation'").fetchone()
+        if row is None:
+            snapshot = db.execute(f"SELECT {size} FROM snapshot").fetchone()[0]
+        else:
+            live = "born <= ?1 AND (died IS NULL OR died > ?1)"
+            snapshot = db.execute(f"SELECT {size} FROM snap WHERE {live}", (int(row[0]),)).fetchone()[0]
         events = db.execute(f"SELECT {size} FROM events WHERE id > ?", (through,)).fetchone()[0]
         export = db.execute("SELECT coalesce(sum(length(trajectory)), 0) FROM delivered").fetchone()[0]
     return int(snapshot + events + export)
+
+
+def held_now(journal: Any, database: Path) -> int:
+    """What the database holds now, by the journal's own counts (the snapshot's bytes, the
+    events' since) and the export's size: ``held_bytes`` without its scan of the snapshot,
+    whose read transaction would hold back the WAL's checkpoints and grow the folder it
+    measures. The run checks the counts against ``held_bytes`` at its end."""
+    with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as db:
+        export = db.execute("SELECT coalesce(sum(length(trajectory)), 0) FROM delivered").fetchone()[0]
+    return int(journal._snapshot_bytes + journal._since_snapshot + export)
 
 
 def trajectory(index: int, size: int) -> dict[str, Any]:
@@ -89,12 +108,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         captures: list[tuple[float, float]] = []  # when the buffer's lock was held for a snapshot
         snapshot = buffer.snapshot
 
-        def timed_snapshot() -> Any:
+        def timed_snapshot(**options: Any) -> Any:
             began = time.monotonic()
             try:
-                return snapshot()
+                return snapshot(**options)
             finally:
                 captures.append((began, time.monotonic()))
+
+        stagings: list[dict[str, Any]] = []  # what each compaction wrote (incremental snapshots)
+        with contextlib.suppress(ImportError):
+            table = importlib.import_module("buffer.store.snapshot_table")
+            stage = table.Staging.stage
+
+            def timed_stage(staging: Any, pieces: Any) -> Any:
+                began = time.monotonic()
+                staged = stage(staging, pieces)
+                took = time.monotonic() - began
+                stagings.append(
+                    {"full": staged.full, "pieces": staged.pieces, "mb": staged.written / 1e6, "s": took}
+                )
+                return staged
+
+            table.Staging.stage = timed_stage
 
         buffer.snapshot = timed_snapshot  # what attach hands the journal
         buffer.restore(journal.recover())
@@ -112,7 +147,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.gc == "service":  # as ``rollout-buffer serve`` sets it, and freezes after the restore
             gc.set_threshold(50_000, 20, 20)
             gc.freeze()
-        journal.compact_bytes = 2**62 if args.back_to_back else args.compact_bytes
+        journal.compact_bytes = args.compact_bytes
+        # --back-to-back: compactions by hand only; a control (--compactions 0): none
+        journal._no_compaction = args.back_to_back or args.compactions == 0
         print(f"filled {args.fill:,} in {fill_s:.0f} s; {folder_bytes(folder) / 1e9:.2f} GB")
 
         stop = threading.Event()
@@ -148,11 +185,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             while not stop.wait(0.1):
                 size = folder_bytes(folder)
                 if size > peak["folder"]:
-                    held = held_bytes(folder / "buffer.sqlite3")
+                    held = held_now(journal, folder / "buffer.sqlite3")
                     peak.update(folder=size, held=held, ratio=size / held)
 
         def compactor() -> None:  # --back-to-back: one compaction after the other
             while not stop.is_set() and journal.compactions < first_compactions + args.compactions:
+                if stop.wait(args.interval):
+                    return
                 journal.compact()
                 journal.wait_durable_blocking(600)
                 while not cleanup_done(journal) and not stop.is_set():
@@ -164,12 +203,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         began = time.monotonic()
         for thread in threads:
             thread.start()
+        if args.compactions == 0:  # a control: the same load, as long, without a compaction
+            time.sleep(args.interval * 3)
         while journal.compactions < first_compactions + args.compactions or not cleanup_done(journal):
             time.sleep(0.1)
         stop.set()
         for thread in threads:
             thread.join()
         elapsed = time.monotonic() - began
+        journal.wait_durable_blocking(600)
+        held_check = (held_now(journal, folder / "buffer.sqlite3"), held_bytes(folder / "buffer.sqlite3"))
         journal.close()
     windows = captures[1:]
 
@@ -198,12 +241,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": elapsed,
         "rate": len(latencies) / elapsed,
         "compactions": journal.compactions - first_compactions,
+        "interval_s": args.interval if args.back_to_back else None,
         "all": figures(latencies),
         "outside_capture": figures([w for w in latencies if not overlaps(w)]),
         "capture_s": [round(end - start, 2) for start, end in windows],
+        "stagings": [{k: round(v, 2) if isinstance(v, float) else v for k, v in s.items()} for s in stagings],
         "peak_folder_gb": peak["folder"] / 1e9,
         "held_then_gb": peak["held"] / 1e9,
         "peak_ratio": peak["ratio"],
+        "held_at_end_gb": {"counted": held_check[0] / 1e9, "scanned": held_check[1] / 1e9},
     }
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     return result
@@ -216,13 +262,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fill", type=int, default=1_000_000, help="trajectories in the store first")
     parser.add_argument("--size", type=int, default=200, help="bytes per trajectory, about")
     parser.add_argument("--writers", type=int, default=16, help="threads writing one at a time")
-    parser.add_argument("--compactions", type=int, default=3)
+    parser.add_argument(
+        "--compactions",
+        type=int,
+        default=3,
+        help="0: a control, the same writes for 3 x --interval seconds and no compaction",
+    )
     parser.add_argument(
         "--back-to-back",
         action="store_true",
         help="compactions one after the other, by hand, and no other load (default: generator batches "
         "and a trainer's reads grow the log, and the journal compacts when it has grown as large as "
         "the snapshot, as in service)",
+    )
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=0.0,
+        help="with --back-to-back: seconds of writes before each compaction (an incremental "
+        "snapshot writes what changed meanwhile; 0: none, the compactions end within a second)",
     )
     parser.add_argument(
         "--compact-bytes", type=int, default=256 * 2**20, help="the journal's --compact-bytes"

@@ -14,6 +14,12 @@ buffer's lock: the gone groups deleted from ``groups``, then ``since`` moved to 
 costs O(changes made during the capture), never O(groups). ``groups`` keeps its identity, so a
 dict the service froze out of the collector's way (``gc.freeze``) stays frozen.
 
+For incremental snapshots the table also notes the keys put or popped since the last capture
+(``touched``, when ``track`` turned it on): ``capture`` hands them out with the groups. The
+groups a capture holds that were touched since the one before are then its last ones, in
+order, since a put moves its key to the end and the others keep their order: a snapshot
+writes those again and deletes the rows of the touched keys gone, and leaves the rest.
+
 The values are the task's stored groups (``task.Stored``): tuples, never changed in place, so
 a captured one stays as it was; a group past 64 records keeps a list the task copies before
 changing it while ``capturing`` (``TaskBuffer.add``).
@@ -29,13 +35,15 @@ K = TypeVar("K", bound=Hashable)
 
 #: Changes folded back per call of ``fold`` (each under the buffer's lock: a millisecond or so).
 FOLD_SLICE = 2000
+#: Touched keys noted at most beyond the table's size: past both, a snapshot costs as much whole.
+TOUCHED_LIMIT = 1_000_000
 
 
 class OpenTable(Generic[K]):
     """Key → stored group, oldest write first; not thread-safe (the buffer's lock serialises it),
     except the captured dict, which no call changes until ``release``."""
 
-    __slots__ = ("_front", "_head", "capturing", "gone", "groups", "since")
+    __slots__ = ("_front", "_head", "capturing", "gone", "groups", "since", "touched", "tracking")
 
     def __init__(self) -> None:
         self.groups: OrderedDict[K, Any] = OrderedDict()
@@ -44,6 +52,9 @@ class OpenTable(Generic[K]):
         self.capturing = False
         self._front: Iterator[K] | None = None  # over the captured ``groups``: the oldest
         self._head: K | None = None
+        #: Keys put or popped since the last capture; None: not tracked (or too many to track).
+        self.touched: set[K] | None = None
+        self.tracking = False
 
     # -- the view --------------------------------------------------------------------
 
@@ -93,8 +104,14 @@ class OpenTable(Generic[K]):
 
     # -- changes -----------------------------------------------------------------------
 
-    def put(self, key: K, group: Any) -> None:
-        """Store ``group`` as the newest write."""
+    def put(self, key: K, group: Any, *, touch: bool = True) -> None:
+        """Store ``group`` as the newest write (``touch``: a change a snapshot has not seen;
+        not a group restored from one)."""
+        touched = self.touched
+        if touched is not None and touch:
+            touched.add(key)
+            if len(touched) > TOUCHED_LIMIT:
+                self._touch(key)
         if self.capturing or self.since:
             if key in self.groups and key not in self.gone:
                 self.gone.add(key)
@@ -108,6 +125,8 @@ class OpenTable(Generic[K]):
 
     def pop(self, key: K) -> Any:
         """Remove and return the group of ``key``; KeyError if there is none."""
+        if self.touched is not None:
+            self._touch(key)
         if self.since and key in self.since:
             return self.since.pop(key)
         if (self.gone and key in self.gone) or key not in self.groups:
@@ -117,14 +136,30 @@ class OpenTable(Generic[K]):
             return self.groups[key]
         return self.groups.pop(key)
 
+    def _touch(self, key: K) -> None:
+        touched = self.touched
+        assert touched is not None
+        touched.add(key)
+        if len(touched) > TOUCHED_LIMIT and len(touched) > len(self.groups):
+            self.touched = None  # as costly as the whole table: the next snapshot is whole
+
+    def track(self, on: bool) -> None:
+        """Note the keys touched from now on (``touched``), or stop (None)."""
+        self.tracking = on
+        self.touched = set() if on else None
+
     # -- captures ------------------------------------------------------------------------
 
-    def capture(self) -> OrderedDict[K, Any]:
-        """The groups as they are now, unchanged until ``release``. O(1); the table must be
+    def capture(self) -> tuple[OrderedDict[K, Any], set[K] | None]:
+        """The groups as they are now, unchanged until ``release``, and the keys touched since
+        the last capture (None: not tracked); tracking starts afresh. O(1); the table must be
         folded (``folded``) first."""
         assert self.folded, "a capture still being read or folded back"
         self.capturing = True
-        return self.groups
+        touched = self.touched
+        if self.tracking:
+            self.touched = set()
+        return self.groups, touched
 
     def release(self) -> None:
         """The capture is read: ``groups`` may change again (``fold`` brings it up to date)."""

@@ -11,17 +11,19 @@ store backend (``buffer.store``) imports it from here.
 The kinds the buffer writes: ``w`` (a write), ``fin`` (a group's outcome), ``read``, ``stale``,
 ``dup``, ``task`` (a task's settings), ``job``, ``job_end``, ``job_pause``, ``job_resume``,
 ``nop`` (a position with no change); in a snapshot ``open``, ``ready``, ``aside``,
-``task_state``, ``state``; extensions' kinds start with ``x:``. The format is the data folder's:
-changing it needs a migration (``buffer.store.migration``).
+``task_state``, ``state``, ``uids`` and ``wi`` (chunks of the uids remembered and of a task's
+window's instances), each a ``Piece`` of one of its parts; extensions' kinds start with
+``x:``. The format is the data folder's: changing it needs a migration
+(``buffer.store.migration``).
 
 An export row is what a read delivered, one per trajectory, kept with the read's own record.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import orjson
 
@@ -89,10 +91,60 @@ def decode(record: bytes) -> Event:
 #: replays to nothing, and keeps a store's positions dense.
 NOTHING = b'{"e":"nop"}\n'
 
-#: Called by a store's compaction: under the lock every append is made under, reads the
-#: store's ``position`` and captures the state; returns that position and the state's records
-#: (which may be produced lazily, outside the lock).
-Snapshotter = Callable[[], tuple[int, Iterable[bytes]]]
+#: The parts of a snapshot, in the order a restore reads them: the tasks' settings, the ready
+#: groups (by ``seq``), the rest (groups set aside, the tasks' and the buffer's counters, the
+#: uids remembered, extensions, the replay pool), then the open groups (oldest write first: the
+#: part most rows are added to, last, where a store appends them to full pages).
+HEAD, READY, TAIL, OPEN = range(4)
+PARTS = 4
+#: The parts whose pieces have neither key nor order (rewritten by every snapshot).
+VOLATILE_PARTS = (HEAD, TAIL)
+
+
+class Piece(NamedTuple):
+    """One row of a snapshot as the buffer captures it. ``key`` names an open group's row
+    (``open_key``) and ``order`` a ready group's (its ``seq``, which orders the part): a delta
+    replaces or (``record`` None) deletes only the rows it names, and a store keeps the others.
+    A piece with neither is rewritten by every snapshot, delta or not."""
+
+    part: int
+    record: bytes | None
+    key: str | None = None
+    order: int | None = None
+
+
+def open_key(task_type: str, instance_id: Any) -> str:
+    """The key of an open group's row: its task and instance (an int and a str stay apart)."""
+    return orjson.dumps((task_type, instance_id)).decode()
+
+
+class Capture(NamedTuple):
+    """A snapshot: the store's position it covers, and its pieces (made lazily, outside the
+    lock), in restore order. ``delta``: only what changed since the previous capture (every
+    piece without a key or an order, and the open and ready groups written, finished or read
+    since); else the whole state."""
+
+    position: int
+    pieces: Generator[Piece, None, None]
+    delta: bool
+
+
+class Snapshotter(Protocol):
+    """Called by a store's compaction: under the lock every append is made under, reads the
+    store's ``position`` and captures the state. ``delta`` asks for the changes since the
+    previous capture, which the store must then hold installed; the buffer may answer with a
+    whole snapshot all the same (``Capture.delta``)."""
+
+    def __call__(self, *, delta: bool = False) -> Capture: ...
+
+
+def records_of(capture: Capture) -> Iterator[bytes]:
+    """The records of a whole snapshot, in restore order (a store that keeps them as a list)."""
+    assert not capture.delta, "a delta has no meaning without the snapshot it changes"
+    for piece in capture.pieces:
+        assert piece.record is not None
+        yield piece.record
+
 
 #: An export row: (read_id, delivered_at, task_type, instance_id, trajectory bytes).
 ExportRow = tuple[int, float, str, Any, bytes]

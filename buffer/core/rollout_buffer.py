@@ -30,7 +30,7 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -40,8 +40,9 @@ from buffer.core.hooks import EVALUATION_HOOKS, EVALUATION_SOURCE, Hooks
 from buffer.core.ledger import KINDS as JOB_KINDS
 from buffer.core.ledger import JobLedger, Log
 from buffer.core.reads import ReadPath, ReadResult
-from buffer.core.records import Event, encode, refuse_non_finite
+from buffer.core.records import HEAD, Capture, Event, Piece, encode, refuse_non_finite
 from buffer.core.replay_pool import ReplaySettings
+from buffer.core.snapshots import TaskCapture, UidCapture, in_order
 from buffer.core.task import InstanceId, ReadyGroup, Record, SetAsideGroup, Tally, TaskBuffer, TaskSettings
 from buffer.core.writes import Recent, WritePath, WriteResult
 from buffer.errors import InvalidInput, StorageFailed, TooManyTasks
@@ -118,6 +119,13 @@ class RolloutBuffer:
         self._reads = ReadPath(self.policy, wall_clock, replay)
         self._ledger = JobLedger()
         self._capturing = False  # a snapshot's records being read (``snapshot``)
+        #: Whether the tasks note what changes for incremental snapshots (``core.snapshots``):
+        #: from a restore (what the store's snapshot holds is then known) while the store
+        #: attached takes deltas.
+        self._tracking = False
+        #: The uids the store's snapshot holds: the last one's number and its first chunk
+        #: (``core.snapshots.UidCapture``; None: not known, the next snapshot is whole).
+        self._uid_base: tuple[int, int] | None = (0, 0)
 
     # -- what the parts own, read here ---------------------------------------------------
 
@@ -183,6 +191,7 @@ class RolloutBuffer:
                 log=self._log,
                 tally=self._held,
             )
+            task.track(self._tracking)  # a new task: no row of it in the store's snapshot
         else:
             task.reconfigure(settings, hooks, hooks_source)
         if current:
@@ -526,6 +535,7 @@ class RolloutBuffer:
 
         count = 0
         with self._lock:
+            self._tracking = True  # tasks made from here on: what the store holds is replayed
             for event in events:
                 self._apply(event, monotonic_of)
                 count += 1
@@ -561,7 +571,10 @@ class RolloutBuffer:
             source = header["h"]
             settings = TaskSettings(**header["s"])
             self._configure(header["t"], settings, self._hooks_of(source), source, current=header["current"])
+        elif kind == "uids":  # a snapshot's chunk of the uids remembered
+            self._writes.restore_uids(header["u"])
         elif kind == "state":
+            self._uid_base = None if "uids" in header else (header["written_seq"], header["uf"])
             self._current_task = header["current"]
             self._seq = max(self._seq, header["seq"])
             self._writes.restore(header)
@@ -577,6 +590,10 @@ class RolloutBuffer:
         ``snapshot``. Finishes the groups a restore left full but open."""
         with self._lock:
             self._journal = journal
+            self._tracking = bool(getattr(journal, "incremental", False))
+            if not self._tracking:
+                for task in self._tasks.values():
+                    task.track(False)
             journal.start(self.snapshot, lock=self._lock)
             for task in self._tasks.values():
                 task.log_to(journal.append)
@@ -592,13 +609,15 @@ class RolloutBuffer:
         if self._journal is not None:
             await self._journal.wait_durable()
 
-    def snapshot(self) -> tuple[int, Iterator[bytes]]:
-        """The store's position and the records of the state as of it. Under the lock, with
-        the collector paused: O(1) per task for its open groups (captured, not copied:
-        ``core.open_table``) and copies of pointers for the rest, nothing per group; the records
-        are made and encoded as they are read, outside the lock. Once they are read (or the
-        iterator closed or dropped), what changed meanwhile is folded back into the open
-        groups, a slice per hold of the lock. One capture at a time."""
+    def snapshot(self, *, delta: bool = False) -> Capture:
+        """The store's position and the pieces of the state as of it (``records.Capture``):
+        whole, or with ``delta`` (when every task tracked its changes) only what changed since
+        the previous capture (``core.snapshots``). Under the lock, with the collector paused:
+        O(1) per task for its open groups (captured, not copied: ``core.open_table``) and copies
+        of pointers for the rest, nothing per open group; the pieces are made and encoded as
+        they are read, outside the lock. Once they are read (or the iterator closed or
+        dropped), what changed meanwhile is folded back into the open groups, a slice per hold
+        of the lock. One capture at a time."""
         assert self._journal is not None
         self._fold_captures()  # what a former capture left
         with self._lock, _collector_paused():
@@ -607,8 +626,19 @@ class RolloutBuffer:
             self._capturing = True
             position = self._journal.position()
             offset = self._wall_clock() - self._clock()
+
+            def wall_of(monotonic: float) -> float:
+                return monotonic + offset
+
             tasks = list(self._tasks.values())
-            encoders = [task.snapshot(lambda monotonic: monotonic + offset) for task in tasks]
+            delta = delta and self._uid_base is not None and all(task.can_delta for task in tasks)
+            if not delta and self._tracking:  # tracked from this whole snapshot on
+                for task in tasks:
+                    if not task.can_delta:
+                        task.track(True)
+            captures = [TaskCapture(task, wall_of, delta=delta) for task in tasks]
+            uids = UidCapture(self._writes, self._uid_base if delta else None)
+            self._uid_base = uids.base
             state = {
                 "e": "state",
                 "current": self._current_task,
@@ -616,20 +646,17 @@ class RolloutBuffer:
                 "total_read": self._reads.total_read,
                 "reads": self._reads.reads,
                 **self._writes.state(),
+                "uf": uids.first_chunk,
             }
             jobs = self._ledger.snapshot(self._tasks)
             extensions = [extension.snapshot() for extension in self._extensions.values()]
             extensions.append(iter(list(self._unclaimed)))
             extensions.append(self._reads.pool.snapshot())  # the replay pool's entries
 
-        def records() -> Iterator[bytes]:
+        def pieces() -> Generator[Piece, None, None]:
             try:
-                yield b""  # taken below: from then on, closing the iterator ends the capture
-                for encoder in encoders:
-                    yield from encoder()
-                yield encode({**state, "jobs": jobs()})
-                for extension in extensions:
-                    yield from extension
+                yield Piece(HEAD, None)  # taken below: from then on, closing ends the capture
+                yield from in_order(captures, uids, lambda: encode({**state, "jobs": jobs()}), extensions)
             finally:
                 with self._lock:
                     for task in tasks:
@@ -637,9 +664,9 @@ class RolloutBuffer:
                     self._capturing = False
                 self._fold_captures()
 
-        stream = records()
+        stream = pieces()
         next(stream)
-        return position, stream
+        return Capture(position, stream, delta)
 
     def _fold_captures(self) -> None:
         """Fold what changed during a capture back into the tasks' open groups, a slice per

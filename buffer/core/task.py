@@ -161,6 +161,8 @@ class Window:
     records: list[tuple[InstanceId, Record]]
     finished: list[InstanceId]
     discarded: Counter[str]
+    log: list[InstanceId]  # the instances in order (``TaskBuffer.window_log``), and their window
+    epoch: int
 
 
 @dataclass(slots=True)
@@ -204,6 +206,10 @@ class TaskBuffer:
         self._open: OpenTable[InstanceId] = OpenTable()  # -> Stored
         self.open = OpenGroups(self._open)
         self.ready: deque[ReadyGroup] = deque()
+        #: For incremental snapshots (``track``): the seqs of ready groups taken or dropped since
+        #: the last capture, and the highest seq a capture held (``core.snapshots``).
+        self.ready_left: set[int] | None = None
+        self.ready_top = -1
         self.set_aside: deque[SetAsideGroup] = deque(maxlen=keep_set_aside)
         self.pending_items = 0
         self.ready_items = 0
@@ -225,6 +231,12 @@ class TaskBuffer:
         # Since the last successful read: what meta_info reports.
         self.window = RewardStats()
         self.window_instances: set[InstanceId] = set()
+        #: The same instances in the order they came (a snapshot writes them in chunks, those
+        #: changed since the last capture); the windows closed so far; and (for a delta) the
+        #: window and count the snapshot holds (None: not known).
+        self.window_log: list[InstanceId] = []
+        self.window_epoch = 0
+        self.window_base: tuple[int, int] | None = (0, 0)
         self.window_records: list[tuple[InstanceId, Record]] = []
         self.finished_instance_ids: list[InstanceId] = []
         self.window_discarded: Counter[str] = Counter()
@@ -296,7 +308,9 @@ class TaskBuffer:
         self.written += 1
         self.window.add(record.reward)
         self.rewards.add(record.reward)
-        self.window_instances.add(instance_id)
+        if instance_id not in self.window_instances:
+            self.window_instances.add(instance_id)
+            self.window_log.append(instance_id)
         if self._keep_window_records:
             self.window_records.append((instance_id, record))
         if finish and len(_fields(group)) >= size * _FIELDS:
@@ -412,59 +426,17 @@ class TaskBuffer:
         header = {"e": "task", "t": self.task_type, "s": asdict(self.settings), "h": self.hooks_source}
         return encode({**header, "current": current})
 
-    def snapshot(self, wall_of: Callable[[float], float]) -> Callable[[], Iterator[bytes]]:
-        """Capture the state now (call under the buffer's lock; ``release_capture`` once read):
-        O(1) for the open groups (``open_table``) and for the lists that only grow until the
-        next read (their length is noted), a copy of the pointers of the ready queue and of
-        the window's instances; nothing per group. The function returned encodes the capture as
-        journal records, outside the lock. ``wall_of`` turns this buffer's clock into wall-clock
-        time."""
-        task = self.settings_record(current=False)
-        open_groups = self._open.capture()
-        ready, aside = list(self.ready), list(self.set_aside)
-        window_records, window_count = self.window_records, len(self.window_records)
-        finished, finished_count = self.finished_instance_ids, len(self.finished_instance_ids)
-        window_instances = self.window_instances.copy()
-        state: dict[str, Any] = {
-            "e": "task_state",
-            "t": self.task_type,
-            "written": self.written,
-            "delivered_items": self.delivered_items,
-            "delivered_groups": self.delivered_groups,
-            "discarded": dict(self.discarded),
-            "set_aside_total": self.set_aside_total,
-            "rewards": self.rewards.to_json(),
-            "window": self.window.to_json(),
-            "window_discarded": dict(self.window_discarded),
-        }
+    def track(self, on: bool) -> None:
+        """Note what changes from now on for incremental snapshots: a snapshot captures the
+        task in O(1) for its open groups and O(changes) for the rest (``core.snapshots``,
+        which reads these, under the buffer's lock; ``release_capture`` once read)."""
+        self._open.track(on)
+        self.ready_left = set() if on else None
 
-        def records() -> Iterator[bytes]:
-            yield task
-            for group in map(_view, open_groups.values()):
-                header: dict[str, Any] = {
-                    "e": "open",
-                    "t": self.task_type,
-                    "i": group.instance_id,
-                    "size": group.size,
-                    "last": wall_of(group.last_write_s),
-                    "u": [r.uid for r in group.records],
-                    "r": [r.reward for r in group.records],
-                    "h": [r.head for r in group.records],
-                }
-                yield encode(header, [r.raw for r in group.records])
-            for g in ready:
-                yield encode({"e": "ready", "t": self.task_type, "i": g.instance_id, "seq": g.seq}, g.items)
-            for a in aside:
-                header = {"e": "aside", "t": self.task_type, "i": a.instance_id, "hook": a.hook}
-                header.update(error=a.error, tb=a.traceback, at=a.at)
-                yield encode(header, a.items)
-            kept = window_records[:window_count]
-            state["window_instances"] = list(window_instances)
-            state["finished"] = finished[:finished_count]
-            state["window_records"] = [[iid, r.uid, r.reward] for iid, r in kept]
-            yield encode(state, [r.raw for _, r in kept])
-
-        return records
+    @property
+    def can_delta(self) -> bool:
+        """Whether everything changed since the last capture is known (tracked, not too much)."""
+        return self._open.touched is not None and self.ready_left is not None and self.window_base is not None
 
     def release_capture(self) -> None:
         """The records of ``snapshot`` are read: the open groups may change in place again
@@ -477,7 +449,7 @@ class TaskBuffer:
         return self._open.fold()
 
     def restore(self, event: Event, monotonic_of: Callable[[float], float]) -> None:
-        """Apply a snapshot record (``open``, ``ready``, ``aside``, ``task_state``)."""
+        """Apply a snapshot record (``open``, ``ready``, ``aside``, ``task_state``, ``wi``)."""
         header, kind = event.header, event.header["e"]
         if kind == "open":
             parts = event.parts()
@@ -489,11 +461,12 @@ class TaskBuffer:
             ]
             instance_id, size, last = header["i"], header["size"], monotonic_of(header["last"])
             kept = (*fields,) if len(fields) <= _TUPLE_FIELDS else (fields,)
-            self._open.put(instance_id, (instance_id, size, last, *kept))
+            self._open.put(instance_id, (instance_id, size, last, *kept), touch=False)
             self.pending_items += len(parts)
         elif kind == "ready":
             items = event.parts()
             self.ready.append(ReadyGroup(header["seq"], self.task_type, header["i"], items))
+            self.ready_top = max(self.ready_top, header["seq"])
             self.ready_items += len(items)
         elif kind == "aside":
             self.set_aside.append(
@@ -515,14 +488,22 @@ class TaskBuffer:
             self.set_aside_total = header["set_aside_total"]
             self.rewards = RewardStats.from_json(header["rewards"])
             self.window = RewardStats.from_json(header["window"])
-            self.window_instances.clear()  # the same set: a frozen one stays frozen (see close_window)
-            self.window_instances.update(header["window_instances"])
+            if "window_instances" in header:  # a former snapshot's: not in chunks ("wi")
+                self.window_instances.clear()  # the same set: a frozen one stays frozen (see close_window)
+                self.window_instances.update(header["window_instances"])
+                self.window_log[:] = self.window_instances
+                self.window_base = None
+            else:
+                self.window_base = (self.window_epoch, header["wn"])
             self.finished_instance_ids = header["finished"]
             self.window_discarded = Counter(header["window_discarded"])
             self.window_records = [
                 (iid, Record(uid, reward, raw))
                 for (iid, uid, reward), raw in zip(header["window_records"], event.parts(), strict=True)
             ]
+        elif kind == "wi":  # a chunk of the window's instances, in order
+            self.window_instances.update(header["i"])
+            self.window_log.extend(header["i"])
         else:
             raise ValueError(f"not a task snapshot record: {kind!r}")
 
@@ -545,6 +526,8 @@ class TaskBuffer:
             else:
                 passed.append(group)
         self.ready.extendleft(reversed(passed))
+        if self.ready_left is not None:
+            self.ready_left.update(group.seq for group in taken)
         for group in taken:
             self.ready_items -= len(group.items)
             self.delivered_items += len(group.items)
@@ -556,6 +539,8 @@ class TaskBuffer:
         """Undo ``take_ready`` for ``groups`` (a read that could not be kept): each goes back
         to its place by ``seq``, waiting again, no longer counted as delivered."""
         self.ready = deque(heapq.merge(self.ready, groups, key=lambda group: group.seq))
+        if self.ready_left is not None:
+            self.ready_left.difference_update(group.seq for group in groups)
         for group in groups:
             self.ready_items += len(group.items)
             self.delivered_items -= len(group.items)
@@ -568,6 +553,8 @@ class TaskBuffer:
         kept = []
         for group in self.ready:
             if group.seq in wanted:
+                if self.ready_left is not None:
+                    self.ready_left.add(group.seq)
                 self.ready_items -= len(group.items)
                 self.finished_instance_ids.append(group.instance_id)
                 self.discarded[reason] += 1
@@ -609,11 +596,15 @@ class TaskBuffer:
             self.window_records,
             self.finished_instance_ids,
             self.window_discarded,
+            self.window_log,
+            self.window_epoch,
         )
         self.window = RewardStats()
         # Emptied, not replaced: the service freezes a task's containers (``gc.freeze``) so a full
         # collection never visits the million instance ids a long window can hold; a new set would not be.
         self.window_instances.clear()
+        self.window_log = []
+        self.window_epoch += 1
         self.window_records = []
         self.finished_instance_ids = []
         self.window_discarded = Counter()
@@ -624,7 +615,10 @@ class TaskBuffer:
         (the read that closed it was taken back); ``popped``: the groups that read took from
         this task, whose ids ``take_ready`` had added to its finished ids."""
         self.window = closed.stats.merge(self.window)
+        since = [instance for instance in self.window_log if instance not in closed.instances]
         self.window_instances |= closed.instances
+        self.window_log = closed.log + since  # the window closed goes on (a snapshot appends)
+        self.window_epoch = closed.epoch
         self.window_records = closed.records + self.window_records
         finished = closed.finished[: len(closed.finished) - popped]
         self.finished_instance_ids = finished + self.finished_instance_ids

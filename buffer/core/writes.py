@@ -19,6 +19,7 @@ duplicates and refusals counted. A restart replays the ``w`` and ``dup`` records
 
 from __future__ import annotations
 
+import itertools
 import math
 import uuid
 from collections import deque
@@ -208,19 +209,34 @@ class WritePath:
         self.duplicates += 1
 
     def state(self) -> dict[str, Any]:
-        """What a snapshot's ``state`` record keeps of the writes."""
+        """What a snapshot's ``state`` record keeps of the writes; the uids it keeps in chunks
+        (``uids_after``, ``core.snapshots.UidCapture``)."""
         return {
             "duplicates": self.duplicates,
             "written_seq": self._written_seq,
             "recent": list(self.recent),
-            "uids": list(self._uid_order),
         }
 
+    def uids_after(self, number: int) -> tuple[int, int, list[str]]:
+        """The numbers of the first and the last uid remembered (the n-th uid remembered, that
+        is the n-th trajectory written, is n) and the uids numbered above ``number``, oldest
+        first: O(those)."""
+        last, order = self._written_seq, self._uid_order
+        count = max(0, min(len(order), last - number))
+        uids = list(itertools.islice(reversed(order), count))
+        uids.reverse()
+        return last - len(order) + 1, last, uids
+
     def restore(self, state: Mapping[str, Any]) -> None:
-        """Take what ``state`` kept back, from a snapshot's ``state`` record."""
+        """Take what ``state`` kept back, from a snapshot's ``state`` record (the uids too, in
+        a snapshot of the former format)."""
         self.duplicates, self._written_seq = state["duplicates"], state["written_seq"]
         self.recent.extend(tuple(entry) for entry in state["recent"])
-        for uid in state["uids"]:
+        self.restore_uids(state.get("uids", ()))
+
+    def restore_uids(self, uids: Iterable[str]) -> None:
+        """Remember ``uids`` (a snapshot's chunk of them, oldest first)."""
+        for uid in uids:
             self._remember(uid)
 
 

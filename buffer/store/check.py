@@ -28,11 +28,11 @@ from typing import Any
 
 import orjson
 
-from buffer.core.records import Event
+from buffer.core.records import PARTS, Event
 from buffer.core.rollout_buffer import RolloutBuffer
-from buffer.store import commits, wal
-from buffer.store.schema import DATABASE, DELIVERED, JournalCorrupt, connect, lock_folder
-from buffer.store.sqlite import Journal, last_event
+from buffer.store import commits, snapshot_table, wal
+from buffer.store.schema import DATABASE, DELIVERED, JournalCorrupt, connect, last_event, lock_folder
+from buffer.store.sqlite import Journal
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +63,20 @@ class Report:
         return out
 
 
-def _salvage(db: sqlite3.Connection, table: str, columns: str, report: Report) -> Iterator[tuple[Any, ...]]:
-    """Every row of ``table`` that can be read, by id, noting those that cannot."""
+def _salvage(
+    db: sqlite3.Connection, table: str, columns: str, report: Report, *, part: int | None = None
+) -> Iterator[tuple[Any, ...]]:
+    """Every row of ``table`` that can be read, by id, noting those that cannot; of the
+    snapshot (``snap``), the rows of the generation installed in ``part``."""
+    span, where, bounds = "", "", ()  # type: tuple[str, str, tuple[int, ...]]
+    if part is not None:
+        installed = _meta(db, "snapshot_generation", 0)
+        span = f" WHERE id >= {snapshot_table.base(part)} AND id < {snapshot_table.base(part + 1)}"
+        where, bounds = " AND born <= ? AND (died IS NULL OR died > ?)", (installed, installed)
     try:
-        low, high = db.execute(f"SELECT min(id), max(id) FROM {table}").fetchone()
+        low, high = db.execute(f"SELECT min(id), max(id) FROM {table}{span}").fetchone()
     except sqlite3.DatabaseError as exc:
-        report.unreadable.append(f"{table}: the whole table: {exc}")
+        report.unreadable.append(f"{table}: the whole {'table' if part is None else f'part {part}'}: {exc}")
         return
     if table == "events":  # ids are dense from the snapshot's end to the last commit's
         low, high = _meta(db, "snapshot_through", 0) + 1, _meta(db, "last_event", high or 0)
@@ -77,7 +85,8 @@ def _salvage(db: sqlite3.Connection, table: str, columns: str, report: Report) -
     problems: dict[int, str] = {}
     for row_id in range(low, high + 1):
         try:
-            row = db.execute(f"SELECT id, {columns} FROM {table} WHERE id = ?", (row_id,)).fetchone()
+            query = f"SELECT id, {columns} FROM {table} WHERE id = ?{where}"
+            row = db.execute(query, (row_id, *bounds)).fetchone()
         except sqlite3.DatabaseError as exc:
             problems[row_id] = str(exc)
             continue
@@ -86,6 +95,15 @@ def _salvage(db: sqlite3.Connection, table: str, columns: str, report: Report) -
         elif table == "events":
             problems[row_id] = "missing"
     report.unreadable.extend(_ranges(table, problems))
+
+
+def _snapshot(db: sqlite3.Connection, report: Report) -> Iterator[tuple[Any, ...]]:
+    """The rows of the snapshot installed (``snapshot_table``), or of the former format's."""
+    if _meta(db, "snapshot_generation", -1) >= 0:
+        for part in range(PARTS):
+            yield from _salvage(db, snapshot_table.TABLE, "header, payload", report, part=part)
+    elif db.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (snapshot_table.LEGACY,)).fetchone():
+        yield from _salvage(db, snapshot_table.LEGACY, "header, payload", report)
 
 
 def _ranges(table: str, problems: dict[int, str]) -> list[str]:
@@ -142,8 +160,9 @@ def check(directory: Path, *, repair: bool = False) -> Report:
                     report.problems.append(lost)
             buffer = RolloutBuffer()
             events: list[Event] = []
-            for table in ("snapshot", "events"):
-                for row_id, header, payload in _salvage(db, table, "header, payload", report):
+            for table, rows in (("snapshot", _snapshot(db, report)), ("events", None)):
+                rows = rows if rows is not None else _salvage(db, table, "header, payload", report)
+                for row_id, header, payload in rows:
                     try:
                         event = Event(orjson.loads(header), bytes(payload))
                     except orjson.JSONDecodeError as exc:

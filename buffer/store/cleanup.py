@@ -1,15 +1,17 @@
 """What a compaction leaves behind, given back a slice at a time, off the commit path.
 
-A compaction's install (``sqlite``) is O(1): it renames the staged snapshot to ``snapshot``
-(the replaced one becomes ``snapshot_old_N``) and moves ``meta.snapshot_through``; the events
-it covers stay in ``events`` for now. A restore reads only ``snapshot`` and the events after
-``snapshot_through``, so what is left over is garbage, never state. The journal's cleaner
-thread deletes it here, then gives the freed pages back to the file system
-(``incremental_vacuum``), a slice per transaction from its own connection under the journal's
-write lock, letting a queued commit go first after each. A slice is sized by the time it takes
-(``SLICE_S``), not by a fixed count: under load each one waits for a commit, and slices of a
-thousand rows left a million rows to clean for minutes, holding the next compaction back. A
-crash in between leaves garbage that the next start cleans up.
+A compaction's install (``sqlite``, ``snapshot_table``) is O(1): it moves the snapshot's
+generation and ``meta.snapshot_through``, and renames a whole snapshot staged beside it over
+the one it replaces (which becomes ``snapshot_old_N``); the rows a delta replaced (``died``)
+and the events it covers stay for now. A restore reads only the rows of the generation
+installed and the events after ``snapshot_through``, so what is left over is garbage, never
+state. The journal's cleaner thread deletes it here (replaced tables, the rows died, the events
+covered), then gives the freed pages back to the file system (``incremental_vacuum``), a slice
+per transaction from its own connection under the journal's write lock, letting a queued
+commit go first after each. A slice is sized by the time it takes (``SLICE_S``), not by a fixed
+count: under load each one waits for a commit, and slices of a thousand rows left a million
+rows to clean for minutes, holding the next compaction back. A crash in between leaves garbage
+that the next start cleans up.
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from buffer.core.records import split
-from buffer.store.schema import LOG_COLUMNS, connect, insert
+from buffer.store import snapshot_table
+from buffer.store.schema import GARBAGE, connect, discard, garbage_tables
+
+__all__ = ["GARBAGE", "SideWriter", "discard", "garbage_tables", "has_garbage", "reclaim", "step"]
 
 logger = logging.getLogger(__name__)
 
-GARBAGE = "snapshot_old_"
 #: Rows deleted by the first slice; the next ones take about ``SLICE_S`` each.
 ROWS = 1000
 #: Free space given back by the first slice; the same.
@@ -37,9 +40,6 @@ VACUUM_BYTES = 4 * 2**20
 SLICE_S = 0.015
 #: How much a slice may grow over the one before.
 _GROWTH = 4.0
-#: Staged rows per transaction, and their bytes at most: the writer waits for one at most.
-_STAGING_ROWS = 2000
-_STAGING_BYTES = 2 * 2**20
 #: Rows a staging or cleanup connection changes between its checkpoints (outside the lock).
 _CHECKPOINT_CHANGES = 4000
 
@@ -75,24 +75,6 @@ class SideWriter:
         self._after()
         return result
 
-    def stage(self, records: Iterable[bytes]) -> tuple[int, int]:
-        """Write ``records`` into a new staging table (``snapshot_next``), a few MB per
-        transaction; the records and bytes written."""
-        self.transaction(stage_afresh)
-        rows = size = 0
-        chunk: list[tuple[int, str, memoryview]] = []
-        chunk_bytes = 0
-        for record in records:
-            rows += 1
-            size += len(record)
-            chunk_bytes += len(record)
-            chunk.append((rows, *split(record)))
-            if len(chunk) >= _STAGING_ROWS or chunk_bytes >= _STAGING_BYTES:
-                self.transaction(functools.partial(insert, into="snapshot_next", rows=chunk))
-                chunk, chunk_bytes = [], 0
-        self.transaction(functools.partial(insert, into="snapshot_next", rows=chunk))
-        return rows, size
-
     def clean_slice(self, keep_bytes: int) -> bool:
         """One slice of cleanup: a batch of garbage rows deleted, else free pages given back
         down to ``keep_bytes``; False once there is nothing left to do."""
@@ -122,29 +104,6 @@ def _resized(amount: int, took_s: float) -> int:
     return int(max(amount / _GROWTH, min(amount * _GROWTH, scaled), 1))
 
 
-def stage_afresh(db: sqlite3.Connection) -> None:
-    """An empty staging table; one a void compaction left is garbage."""
-    discard(db, "snapshot_next")
-    db.execute(f"CREATE TABLE snapshot_next {LOG_COLUMNS}")
-
-
-def garbage_tables(db: sqlite3.Connection) -> list[str]:
-    """The replaced snapshots (and void stagings) not yet deleted, oldest first."""
-    rows = db.execute(
-        "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE ? ESCAPE '\\'",
-        (GARBAGE.replace("_", "\\_") + "%",),
-    ).fetchall()
-    return sorted((row[0] for row in rows), key=lambda name: int(name.removeprefix(GARBAGE)))
-
-
-def discard(db: sqlite3.Connection, table: str) -> None:
-    """Make ``table`` garbage (a rename: O(1) whatever its size), if it exists."""
-    if db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)).fetchone():
-        tables = garbage_tables(db)
-        number = int(tables[-1].removeprefix(GARBAGE)) + 1 if tables else 1
-        db.execute(f"ALTER TABLE {table} RENAME TO {GARBAGE}{number}")
-
-
 def snapshot_through(db: sqlite3.Connection) -> int:
     """The last event the snapshot covers (0: no snapshot)."""
     row = db.execute("SELECT value FROM meta WHERE key = 'snapshot_through'").fetchone()
@@ -154,7 +113,11 @@ def snapshot_through(db: sqlite3.Connection) -> int:
 def has_garbage(db: sqlite3.Connection) -> bool:
     """Whether a compaction left anything to delete."""
     low = db.execute("SELECT min(id) FROM events").fetchone()[0]
-    return bool(garbage_tables(db)) or (low is not None and low <= snapshot_through(db))
+    return (
+        bool(garbage_tables(db))
+        or snapshot_table.dead_rows(db)
+        or (low is not None and low <= snapshot_through(db))
+    )
 
 
 def step(db: sqlite3.Connection, rows: int = ROWS) -> bool:
@@ -168,6 +131,8 @@ def step(db: sqlite3.Connection, rows: int = ROWS) -> bool:
         ).rowcount
         if deleted == 0:
             db.execute(f"DROP TABLE {table}")  # empty: no pages to free
+        return True
+    if snapshot_table.delete_dead(db, rows):  # the rows a delta replaced
         return True
     low = db.execute("SELECT min(id) FROM events").fetchone()[0]
     through = snapshot_through(db)

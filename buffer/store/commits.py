@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import struct
 import zlib
 from pathlib import Path
@@ -86,3 +87,28 @@ def lost_commits(database: Path, recorded: int | None, last: int) -> str | None:
         "were lost, most likely to a damaged or truncated write-ahead log "
         f"({database.name}-wal)"
     )
+
+
+def check_log(database: Path) -> str | None:
+    """Why the start-up must stop, if SQLite would silently drop acknowledged commits: the
+    WAL's frames are checked before SQLite opens it (``wal``), then the database's last event
+    against the count kept beside it, from a read-only connection, which leaves the WAL as it
+    found it."""
+    from buffer.store import wal
+    from buffer.store.schema import connect, last_event
+
+    damage = wal.check(database.with_name(database.name + "-wal"))
+    if damage is not None:
+        return str(damage)
+    recorded = read(path_for(database))
+    if recorded is None or not database.exists():
+        return None
+    try:
+        db = connect(database, readonly=True)
+        try:
+            last = last_event(db)
+        finally:
+            db.close()
+    except sqlite3.DatabaseError:
+        return None  # a damaged database: quick_check says how
+    return lost_commits(database, recorded, last)

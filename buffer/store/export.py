@@ -14,11 +14,14 @@ without the service.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import orjson
 
+from buffer.core.records import ExportRow
 from buffer.store.base import Store
+from buffer.store.schema import connect
 
 _TRAJECTORY = b',"trajectory":'
 _CHUNK_BYTES = 1 << 20
@@ -45,3 +48,38 @@ def read(
             chunk, size = [], 0
     if chunk:
         yield b"".join(chunk)
+
+
+#: Export rows read per query: the writer is never held back by a slow export client.
+_EXPORT_PAGE_ROWS = 2000
+
+
+def from_database(
+    database: Path, since: float | None = None, until: float | None = None, task_type: str | None = None
+) -> Iterator[ExportRow]:
+    """The rows of ``delivered`` in ``database`` in ``[since, until)``, oldest first, from a
+    read-only connection of their own, a page of rows per query (``sqlite.Journal.exported``)."""
+    where = ["id > ?"]
+    bounds: list[Any] = []
+    if since is not None:
+        where.append("delivered_at >= ?")
+        bounds.append(since)
+    if until is not None:
+        where.append("delivered_at < ?")
+        bounds.append(until)
+    if task_type is not None:
+        where.append("task_type = ?")
+        bounds.append(task_type)
+    query = (
+        "SELECT id, read_id, delivered_at, task_type, instance_id, trajectory FROM delivered "
+        f"WHERE {' AND '.join(where)} ORDER BY id LIMIT {_EXPORT_PAGE_ROWS}"
+    )
+    connection = connect(database, readonly=True)
+    try:
+        last = 0
+        while page := connection.execute(query, (last, *bounds)).fetchall():
+            last = page[-1][0]
+            for _, read_id, at, task, instance_id, trajectory in page:
+                yield read_id, at, task, instance_id, trajectory.encode()
+    finally:
+        connection.close()

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from buffer.core.records import Event, ExportRow, Snapshotter, decode
+from buffer.core.records import Event, ExportRow, Snapshotter, decode, records_of
 from buffer.errors import StorageFailed
 from buffer.store.base import Counters, Store
 
@@ -194,8 +194,8 @@ class MemoryStore(Store):
             raise RuntimeError("the store was started without a snapshotter: it cannot compact")
         with self._lock:
             life = self._life
-        position, records = self._snapshotter()
-        staged = list(records)
+        capture = self._snapshotter()  # whole: a list of records is replaced whole
+        position, staged = capture.position, list(records_of(capture))
         with self._lock:
             if life != self._life or not self._in_use:
                 return  # the buffer it captured has been closed since

@@ -5,10 +5,15 @@
       buffer.sqlite3       (with -wal and -shm beside it while open)
         events(id, header, payload)      the changes after meta.snapshot_through, in order, ids dense
                                          (those before it: garbage the cleaner deletes)
-        snapshot(id, header, payload)    the whole state as of the events it replaced
-        snapshot_next, snapshot_old_N    a compaction's staging; replaced snapshots (garbage)
+        snap(id, key, born, died, header, payload)   the state as of the events it replaced, kept
+                                         from one compaction to the next (``snapshot_table``):
+                                         the rows of meta.snapshot_generation
+        snap_next, snapshot_old_N        a whole snapshot's staging; replaced tables (garbage)
+        snapshot(id, header, payload)    the former format's whole snapshot (until the first
+                                         compaction replaces it)
         delivered(id, read_id, delivered_at, task_type, instance_id, trajectory)   the export
-        meta(key, value)                 the format, the last event id, what the snapshot covers
+        meta(key, value)                 the format, the last event id, the snapshot's generation,
+                                         what it covers, a staging under way
       buffer.sqlite3-commits  the last event id committed, checked at start-up (``commits``)
 
 What the journal (``sqlite``), the migration of the former journal files (``migration``) and
@@ -25,7 +30,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 DATABASE = "buffer.sqlite3"
-FORMAT_VERSION = 1
+#: 2: the snapshot kept from one compaction to the next (``snapshot_table``); 1: rewritten whole.
+FORMAT_VERSION = 2
 _WAL_LIMIT_BYTES = 64 * 2**20
 #: The page size of a new database (an existing one keeps its own). A record (a trajectory,
 #: about 2 KB) would take most of a 4 KB page, each written to the WAL by its own syscalls
@@ -37,7 +43,6 @@ LOG_COLUMNS = "(id INTEGER PRIMARY KEY, header TEXT NOT NULL, payload BLOB NOT N
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS events {LOG_COLUMNS};
-CREATE TABLE IF NOT EXISTS snapshot {LOG_COLUMNS};
 CREATE TABLE IF NOT EXISTS delivered (
     id INTEGER PRIMARY KEY,
     read_id INTEGER NOT NULL,
@@ -87,6 +92,34 @@ def lock_folder(path: Path) -> BinaryIO:
         file.close()
         raise RuntimeError(f"{path.parent} is in use by another rollout buffer (it holds {path})") from None
     return file
+
+
+def last_event(db: sqlite3.Connection) -> int:
+    """The id of the last event committed: the events' ids are dense, and a compaction leaves
+    the event of its own installation."""
+    row = db.execute("SELECT max(id) FROM events").fetchone()
+    return int(row[0] or 0)
+
+
+#: The prefix of the tables a compaction left behind (replaced snapshots, void stagings).
+GARBAGE = "snapshot_old_"
+
+
+def garbage_tables(db: sqlite3.Connection) -> list[str]:
+    """The replaced snapshots (and void stagings) not yet deleted, oldest first."""
+    rows = db.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE ? ESCAPE '\\'",
+        (GARBAGE.replace("_", "\\_") + "%",),
+    ).fetchall()
+    return sorted((row[0] for row in rows), key=lambda name: int(name.removeprefix(GARBAGE)))
+
+
+def discard(db: sqlite3.Connection, table: str) -> None:
+    """Make ``table`` garbage (a rename: O(1) whatever its size), if it exists."""
+    if db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)).fetchone():
+        tables = garbage_tables(db)
+        number = int(tables[-1].removeprefix(GARBAGE)) + 1 if tables else 1
+        db.execute(f"ALTER TABLE {table} RENAME TO {GARBAGE}{number}")
 
 
 #: Rows per INSERT at most (SQLite allows 32766 values in a statement).

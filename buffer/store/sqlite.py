@@ -22,15 +22,17 @@ an I/O error, any exception) fails every waiter with ``StorageFailed``, takes ba
 not yet committed (``undo``: their groups return to the buffer, never marked delivered), and
 is retried until it succeeds; then the journal takes writes again, without a restart.
 
-Compaction writes the state into a staging table from its own connection, in short
-transactions, then hands the writer an ``_Install`` entry. The state is captured at a position
-of the log (under the buffer's lock) and the writer installs it in order, so in the same
-transaction as or a later one than every change before it: a compaction never makes durable a
-state whose changes are not. A failure in between voids the compaction, since the reads it
-took back are in that state. The install is O(1) (two renames and ``meta.snapshot_through``):
-the replaced snapshot and the events it covers are deleted afterwards by the cleaner thread, a
-slice per short transaction, as the staging is written (``cleanup.SideWriter``): the writer
-waits for one slice at most.
+Compaction writes what changed in the state since the last one (a delta; the whole state the
+first time, and after a compaction that was not installed) beside the snapshot, from its own
+connection, in short transactions (``snapshot_table``), then hands the writer an ``_Install``
+entry. The state is captured at a position of the log (under the buffer's lock) and the writer
+installs it in order, so in the same transaction as or a later one than every change before
+it: a compaction never makes durable a state whose changes are not. A failure in between voids
+the compaction, since the reads it took back are in that state. The install is O(1) (the
+snapshot's generation and ``meta.snapshot_through``; a rename for a whole one): the rows it
+replaced and the events it covers are deleted afterwards by the cleaner thread, a slice per
+short transaction, as the staging is written (``cleanup.SideWriter``): the writer waits for
+one slice at most.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ import orjson
 
 from buffer.core.records import NOTHING, Event, ExportRow, Snapshotter, split
 from buffer.errors import StorageFailed
-from buffer.store import cleanup, commits, migration, wal
+from buffer.store import cleanup, commits, export, migration, snapshot_table
 from buffer.store.base import Counters, Store
 from buffer.store.schema import (
     DATABASE,
@@ -64,6 +66,7 @@ from buffer.store.schema import (
     JournalCorrupt,
     connect,
     insert,
+    last_event,
     lock_folder,
 )
 
@@ -74,8 +77,8 @@ RETRY_INTERVAL_S = 1.0
 #: Free pages a database keeps between compactions (the export's retention frees some each
 #: minute; they are reused by the next writes).
 _FREE_BYTES_KEPT = 64 * 2**20
-#: Export rows read per query: the writer is never held back by a slow export client.
-_EXPORT_PAGE_ROWS = 2000
+#: The log a delta compaction waits for at least (unless ``compact_bytes`` is smaller).
+_DELTA_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +94,9 @@ class _Read:
 @dataclass(frozen=True, slots=True)
 class _Install:
     position: int
-    generation: int
-    rows: int
+    generation: int  # the failures' (``Journal._generation``) when it was captured
+    staged: snapshot_table.Staged
+    size: int  # the bytes of the snapshot once installed
     logged: int  # bytes appended up to ``position``: what the snapshot replaces
 
 
@@ -102,6 +106,9 @@ _Entry = bytes | _Read | _Install | None  # None: a read taken back
 class Journal(Store):
     """The store in a data folder (``--data-dir``): ``base.Store`` over one SQLite database,
     with a writer thread that commits what has gathered (group commit)."""
+
+    #: Compactions write what changed (``Snapshotter(delta=True)``): the buffer tracks it.
+    incremental = True
 
     def __init__(
         self,
@@ -142,6 +149,9 @@ class Journal(Store):
         self._snapshotter: Snapshotter | None = None
         self._compacting: threading.Thread | None = None
         self._install_pending = False  # a compaction staged or queued, not yet installed
+        self._snap_generation: int | None = None  # the snapshot installed (None: none, or former)
+        self._delta_ok = False  # the last capture is the snapshot installed: the next may be a delta
+        self._last_staged = 0  # bytes the last compaction wrote
         self._no_compaction = False
         self._write_lock = threading.Lock()  # one writing transaction of this process at a time
         self._staging = threading.Lock()  # one compaction staged at a time
@@ -171,13 +181,15 @@ class Journal(Store):
             self._db.executescript(SCHEMA)
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (str(FORMAT_VERSION),))
             migration.reclaim_space(self._db, self.database)
-            cleanup.discard(self._db, "snapshot_next")  # staged by a compaction a crash stopped
+            cleanup.discard(self._db, "snapshot_next")  # staged by a former version a crash stopped
             if cleanup.has_garbage(self._db):
                 self._cleanup = 0
             through = cleanup.snapshot_through(self._db)
             last = last_event(self._db)
+            self._snap_generation = snapshot_table.generation(self._db)
         except sqlite3.DatabaseError as exc:
             raise JournalCorrupt(f"{self.database}: {exc}{self._repair_hint}") from exc
+        self._delta_ok = self._snap_generation is not None  # the buffer restored from it tracks
         self._appended = self._durable = last
         self._count = commits.CommitCount(commits.path_for(self.database), last)
         for table in ("snapshot", "events"):
@@ -194,41 +206,28 @@ class Journal(Store):
                     raise JournalCorrupt(message) from exc
 
     def _check_log(self) -> None:
-        """Stop the start-up if SQLite would silently drop acknowledged commits: the WAL's
-        frames are checked before SQLite opens it (``wal``), then the database's last event
-        against the count kept beside it (``commits``), from a read-only connection, which
-        leaves the WAL as it found it."""
-        damage = wal.check(self.database.with_name(self.database.name + "-wal"))
-        if damage is not None:
-            raise JournalCorrupt(f"{damage}{self._repair_hint}")
-        recorded = commits.read(commits.path_for(self.database))
-        if recorded is None or not self.database.exists():
-            return
-        try:
-            db = connect(self.database, readonly=True)
-            try:
-                last = last_event(db)
-            finally:
-                db.close()
-        except sqlite3.DatabaseError:
-            return  # a damaged database: quick_check says how
-        lost = commits.lost_commits(self.database, recorded, last)
-        if lost is not None:
-            raise JournalCorrupt(f"{lost}{self._repair_hint}")
+        """Stop the start-up if SQLite would silently drop acknowledged commits
+        (``commits.check_log``)."""
+        problem = commits.check_log(self.database)
+        if problem is not None:
+            raise JournalCorrupt(f"{problem}{self._repair_hint}")
 
     @property
     def _repair_hint(self) -> str:
         return f" (`rollout-buffer check {self.directory} --repair` salvages what can be read)"
 
     def _rows(self, table: str, last: int) -> Iterator[tuple[int, str, bytes]]:
-        """The rows of ``table`` after id ``last``."""
+        """The rows of ``table`` after id ``last`` (``snapshot``: of the one installed)."""
         assert self._db is not None
         while True:  # in pages: a cursor over the whole table would hold a read open
             try:
-                rows = self._db.execute(
-                    f"SELECT id, header, payload FROM {table} WHERE id > ? ORDER BY id LIMIT 1000",
-                    (last,),
-                ).fetchall()
+                if table == "snapshot":
+                    rows = snapshot_table.rows(self._db, last, 1000)
+                else:
+                    rows = self._db.execute(
+                        f"SELECT id, header, payload FROM {table} WHERE id > ? ORDER BY id LIMIT 1000",
+                        (last,),
+                    ).fetchall()
             except sqlite3.DatabaseError as exc:
                 message = f"{self.database}: {table} after row {last}: {exc}{self._repair_hint}"
                 raise JournalCorrupt(message) from exc
@@ -376,12 +375,18 @@ class Journal(Store):
             self._next_retention_check = time.monotonic() + 60.0
             self._clean_up(_FREE_BYTES_KEPT)
         self.bytes_written += size
+        for install, ok in zip(installs, installed, strict=True):
+            with self._cv:  # resolved: the next compaction may capture (``_compact``)
+                self._install_pending = False
+                self._delta_ok = ok
+                if ok:
+                    self._snap_generation = install.staged.generation
         if any(installed):
             done = [install for install, ok in zip(installs, installed, strict=True) if ok][-1]
             self._since_snapshot = max(0, self.bytes_written - done.logged)
-            self._snapshot_bytes = done.rows
+            self._snapshot_bytes = done.size
             self.compactions += 1
-            self._clean_up(0)  # the old snapshot, the events it covered, their pages
+            self._clean_up(0)  # the rows replaced, the events covered, their pages
         else:
             self._since_snapshot += size
         self.commits += 1
@@ -399,19 +404,12 @@ class Journal(Store):
 
     def _install(self, db: sqlite3.Connection, install: _Install) -> bool:
         """Make the staged snapshot the one a restore reads, with the events after its
-        position: O(1), the replaced snapshot and events are garbage for the cleaner."""
-        with self._cv:
-            self._install_pending = False
+        position: O(1), the rows replaced and the events covered are garbage for the cleaner.
+        A staging dropped is undone by the next one (``snapshot_table.undo_slice``)."""
         if install.generation != self._generation:
             logger.warning("compaction dropped: a failed commit since took reads back from its state")
-            cleanup.discard(db, "snapshot_next")
             return False
-        if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'snapshot_next'").fetchone() is None:
-            return False
-        cleanup.discard(db, "snapshot")
-        db.execute("ALTER TABLE snapshot_next RENAME TO snapshot")
-        db.execute("INSERT OR REPLACE INTO meta VALUES ('snapshot_through', ?)", (str(install.position),))
-        return True
+        return snapshot_table.install(db, install.staged, install.position)
 
     def _release(self, target: int) -> None:
         with self._cv:
@@ -485,7 +483,7 @@ class Journal(Store):
         if self._snapshotter is None:
             return
         with self._cv:  # against close(): a compaction is either never started or joined
-            if self._no_compaction or self._since_snapshot < max(self.compact_bytes, self._snapshot_bytes):
+            if self._no_compaction or self._since_snapshot < self._compaction_due():
                 return
             if self._cleanup is not None:  # the last one's garbage first: the folder stays small
                 return
@@ -495,6 +493,18 @@ class Journal(Store):
                 target=self._compact_safely, name="journal-compaction", daemon=True
             )
             self._compacting.start()
+
+    def _compaction_due(self) -> int:
+        """The bytes of log after which a compaction starts. A whole snapshot costs the state:
+        the log grows as large first (the work is amortised, O(1) a byte kept). A delta costs
+        what changed: the log grows to a sixteenth of the state (the events a compaction covers
+        are garbage until the cleaner has deleted them, a few seconds: the folder holds about
+        1.06 times the state at most for them), within ``compact_bytes`` and, unless that is
+        smaller, at least ``_DELTA_BYTES`` and twice what the last delta wrote."""
+        if not self._delta_ok:
+            return max(self.compact_bytes, self._snapshot_bytes)
+        due = max(_DELTA_BYTES, self._snapshot_bytes // 16, 2 * self._last_staged)
+        return min(self.compact_bytes, due)
 
     def _compact_safely(self) -> None:
         try:
@@ -510,12 +520,17 @@ class Journal(Store):
 
     def _compact(self) -> None:
         assert self._snapshotter is not None
-        started = time.monotonic()
-        with self._cv:
+        with self._cv:  # the last one installed or dropped first: a delta is of the snapshot installed
+            self._cv.wait_for(lambda: not self._install_pending or self._closing)
+            if self._closing:
+                return
             generation = self._generation
+            delta = self._delta_ok and self._snap_generation is not None
             self._install_pending = True
+            self._delta_ok = False  # until this one is installed
+        started = time.monotonic()
         try:
-            position, records = self._snapshotter()
+            capture = self._snapshotter(delta=delta)
         except BaseException:
             with self._cv:
                 self._install_pending = False
@@ -524,21 +539,29 @@ class Journal(Store):
             captured, logged = self._captured
         side = cleanup.SideWriter(self.database, self._write_lock, self._let_writer_go)
         try:
-            rows, size = side.stage(records)
+            staged = snapshot_table.Staging(side, full=not capture.delta).stage(capture.pieces)
+            size = staged.written
+            if not staged.full:
+                size += self._snapshot_bytes - snapshot_table.killed_bytes(side.db, staged.generation)
         except BaseException:
             with self._cv:
                 self._install_pending = False
             raise
         finally:
+            capture.pieces.close()  # the capture is released, read to its end or not
             side.close()
+        self._last_staged = 0 if staged.full else staged.written  # what the next delta amortises
         with self._cv:
-            self._pending.append(_Install(position, generation, size, logged if captured == position else 0))
+            logged = logged if captured == capture.position else 0
+            install = _Install(capture.position, generation, staged, size, logged)
+            self._pending.append(install)
             self._appended += 1
             self._work.notify()
         logger.info(
-            "journal compaction: %d records, %.1f MB staged in %.1f s",
-            rows,
-            size / 1e6,
+            "journal compaction: %s, %d pieces, %.1f MB staged in %.1f s",
+            "whole" if staged.full else "delta",
+            staged.pieces,
+            staged.written / 1e6,
             time.monotonic() - started,
         )
 
@@ -599,30 +622,7 @@ class Journal(Store):
         """The rows of ``delivered`` in ``[since, until)``, oldest first, from a read-only
         connection of their own, a page of rows per query, so the writer is never held back by
         a slow client (``sqlite3 DATA_DIR/buffer.sqlite3`` reads them without the service)."""
-        where = ["id > ?"]
-        bounds: list[Any] = []
-        if since is not None:
-            where.append("delivered_at >= ?")
-            bounds.append(since)
-        if until is not None:
-            where.append("delivered_at < ?")
-            bounds.append(until)
-        if task_type is not None:
-            where.append("task_type = ?")
-            bounds.append(task_type)
-        query = (
-            "SELECT id, read_id, delivered_at, task_type, instance_id, trajectory FROM delivered "
-            f"WHERE {' AND '.join(where)} ORDER BY id LIMIT {_EXPORT_PAGE_ROWS}"
-        )
-        connection = connect(self.database, readonly=True)
-        try:
-            last = 0
-            while page := connection.execute(query, (last, *bounds)).fetchall():
-                last = page[-1][0]
-                for _, read_id, at, task, instance_id, trajectory in page:
-                    yield read_id, at, task, instance_id, trajectory.encode()
-        finally:
-            connection.close()
+        return export.from_database(self.database, since, until, task_type)
 
     # -- shutdown ----------------------------------------------------------------------
 
@@ -663,13 +663,6 @@ class Journal(Store):
             for _, loop, future in waiters:
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(_settle, [future], StorageFailed(self._failure))  # type: ignore[arg-type]
-
-
-def last_event(db: sqlite3.Connection) -> int:
-    """The id of the last event committed: the events' ids are dense, and a compaction leaves
-    the event of its own installation."""
-    row = db.execute("SELECT max(id) FROM events").fetchone()
-    return int(row[0] or 0)
 
 
 def _as_os_error(exc: Exception) -> OSError:

@@ -1,6 +1,7 @@
 """The open groups' table (``buffer.core.open_table``): a capture is O(1) and stays as it was
 while writes go on, the view is always what one ``OrderedDict`` would hold, and what changed
-during a capture is folded back a bounded slice at a time."""
+during a capture is folded back a bounded slice at a time; the keys touched since a capture are
+its last ones, in order (what an incremental snapshot rewrites)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ def oldest(model: OrderedDict[int, tuple[int, int]]) -> tuple[int, tuple[int, in
 def test_the_table_acts_as_one_ordered_dict_through_captures_and_folds(seed: int) -> None:
     rng = random.Random(seed)
     table, model = OpenTable(), OrderedDict[int, tuple[int, int]]()
+    table.track(True)
+    snapshot: list[int] = []  # the keys a store holds, in order, after the deltas of each capture
     captured: tuple[OrderedDict[int, tuple[int, int]], list[tuple[int, tuple[int, int]]]] | None = None
     for step in range(3000):
         action = rng.random()
@@ -40,8 +43,14 @@ def test_the_table_acts_as_one_ordered_dict_through_captures_and_folds(seed: int
             if first is not None:
                 assert table.pop(first[0]) == model.pop(first[0])
         elif action < 0.76 and captured is None and table.folded:
-            groups = table.capture()
+            groups, touched = table.capture()
             captured = (groups, list(model.items()))
+            assert touched is not None
+            present = [key for key in touched if key in groups]
+            tail = list(groups)[len(groups) - len(present) :]  # the touched ones: the last ones
+            assert set(tail) == set(present)
+            snapshot = [key for key in snapshot if key not in touched] + tail
+            assert snapshot == list(groups)
         elif action < 0.82 and captured is not None:  # the capture is read, then released
             groups, then = captured
             assert list(groups.items()) == then
@@ -66,7 +75,7 @@ def test_a_fold_takes_slices_of_what_changed_not_of_the_groups() -> None:
     table = OpenTable()
     for key in range(10_000):
         table.put(key, (key, 0))
-    groups = table.capture()
+    groups, _ = table.capture()
     for key in range(10):
         table.put(key, (key, 1))  # written again during the capture
     table.pop(20)  # finished during it

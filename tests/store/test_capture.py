@@ -1,6 +1,6 @@
 """A compaction's capture of the buffer's state (``RolloutBuffer.snapshot``, ``core.open_table``):
 the lock is held for O(1) per task, the records are made outside it, writes and reads go on
-meanwhile, and the state after a restart is the one without a compaction."""
+meanwhile, and the state after a restart is the one without a compaction, whole or a delta."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 
 from buffer.core import open_table
-from buffer.core import task as task_module
+from buffer.core import snapshots as core_snapshots
 from buffer.core.hooks import Hooks
+from buffer.core.records import Piece
 from buffer.core.rollout_buffer import RolloutBuffer
 from buffer.core.task import TaskSettings
-from buffer.store import cleanup
+from buffer.store import snapshot_table
 from buffer.store.sqlite import Journal
 from tests.support.factories import FakeClock, trajectory
 from tests.support.stores import Opened, state
@@ -56,26 +57,43 @@ def changes(buffer: RolloutBuffer, clock: FakeClock) -> None:
     buffer.write(item("wide", 71, task_type="big"))
 
 
-def run(directory: Path, clock: FakeClock, *, compact_during: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
+def run(
+    directory: Path,
+    clock: FakeClock,
+    *,
+    compact_during: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    delta: bool = False,
+) -> Any:
     """The state after ``changes``, live and after a restart; with ``compact_during`` the
-    changes are made while a compaction has captured the state and read 3 of its records."""
-    stage = cleanup.SideWriter.stage
+    changes are made while a compaction has captured the state and read 3 of its pieces (with
+    ``delta``, of what changed since a first compaction)."""
+    stage = snapshot_table.Staging.stage
     reading, go = threading.Event(), threading.Event()
+    staged: list[snapshot_table.Staged] = []
 
-    def held(side: cleanup.SideWriter, records: Iterable[bytes]) -> tuple[int, int]:
-        records = iter(records)
-        first = list(itertools.islice(records, 3))
+    def held(staging: snapshot_table.Staging, pieces: Iterable[Piece]) -> snapshot_table.Staged:
+        if delta and not staged:  # the first compaction, before the changes
+            staged.append(stage(staging, pieces))
+            return staged[-1]
+        pieces = iter(pieces)
+        first = list(itertools.islice(pieces, 3))
         reading.set()
         assert go.wait(60)
-        return stage(side, itertools.chain(first, records))
+        staged.append(stage(staging, itertools.chain(first, pieces)))
+        return staged[-1]
 
-    monkeypatch.setattr(cleanup.SideWriter, "stage", held)
+    monkeypatch.setattr(snapshot_table.Staging, "stage", held)
     service = Opened(Journal(directory), clock)
     try:
         prepare(service.buffer)
         store = service.store
         assert isinstance(store, Journal)
         store.wait_durable_blocking(60)
+        if delta:
+            store.compact()
+            store.wait_durable_blocking(60)
+            service.buffer.write(item("q0", 1))  # after it: a change the delta has
         compaction = threading.Thread(target=store.compact)
         if compact_during:
             compaction.start()
@@ -88,7 +106,8 @@ def run(directory: Path, clock: FakeClock, *, compact_during: bool, monkeypatch:
         if compact_during:
             compaction.join(60)
             store.wait_durable_blocking(60)
-            assert store.compactions == 1
+            assert store.compactions == 1 + delta
+            assert [s.full for s in staged] == [True, False][: 1 + delta] if delta else [True]
         live = state(service.buffer)
     finally:
         go.set()
@@ -102,15 +121,16 @@ def run(directory: Path, clock: FakeClock, *, compact_during: bool, monkeypatch:
         restarted.close()
 
 
+@pytest.mark.parametrize("delta", [False, True], ids=["whole", "delta"])
 def test_changes_during_a_capture_end_in_the_same_state_as_without_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, delta: bool
 ) -> None:
     monkeypatch.setattr(open_table, "FOLD_SLICE", 3)  # folded back in many slices
     without_live, without_restarted = run(
-        tmp_path / "without", FakeClock(), compact_during=False, monkeypatch=monkeypatch
+        tmp_path / "without", FakeClock(), compact_during=False, monkeypatch=monkeypatch, delta=delta
     )
     during_live, during_restarted = run(
-        tmp_path / "during", FakeClock(), compact_during=True, monkeypatch=monkeypatch
+        tmp_path / "during", FakeClock(), compact_during=True, monkeypatch=monkeypatch, delta=delta
     )
     assert without_restarted == without_live
     assert during_live == without_live
@@ -161,25 +181,27 @@ def test_the_capture_makes_no_record_under_the_lock_and_folds_back_in_slices(
         for i in range(50):
             buffer.write(item(f"q{i}", 0))
         views: list[bool] = []  # for each group a snapshot looks at: whether under the lock
-        view: Callable[[Any], Any] = task_module._view
+        view: Callable[[Any], Any] = core_snapshots._view
 
         def counted(group: Any) -> Any:
             views.append(lock.held())
             return view(group)
 
-        monkeypatch.setattr(task_module, "_view", counted)
+        monkeypatch.setattr(core_snapshots, "_view", counted)
         monkeypatch.setattr(open_table, "FOLD_SLICE", 4)
         holds = lock.holds
-        position, records = buffer.snapshot()
+        capture = buffer.snapshot()
+        position, records = capture.position, (piece.record for piece in capture.pieces)
         assert lock.holds - holds == 2  # one fold (nothing to fold), one capture
         assert not lock.held()
         for i in range(30):
             buffer.write(item(f"q{i}", 1))  # meanwhile: 30 groups replaced, 30 written anew
         holds = lock.holds
-        kept: Iterator[bytes] = iter(records)
+        kept: Iterator[bytes | None] = iter(records)
         encoded = list(kept)
         assert views == [False] * 50  # every group made into a record outside the lock
-        assert len(encoded) == 1 + 50 + 1 + 1  # the task, its open groups, its state, the buffer's
+        # the task, its open groups, its window's instances, its state, the uids, the buffer's
+        assert len(encoded) == 1 + 50 + 1 + 1 + 1 + 1
         assert lock.holds - holds >= 1 + 60 // 4  # the release, then the fold: 60 changes, 4 a slice
         assert [group.instance_id for group in buffer._tasks["default"].open.values()] == [
             *(f"q{i}" for i in range(30, 50)),
@@ -199,13 +221,13 @@ def test_a_capture_dropped_unread_is_released_and_the_next_one_taken(
     buffer.attach(journal)
     try:
         buffer.write(item("q1", 0))
-        _, records = buffer.snapshot()
+        records = buffer.snapshot().pieces
         buffer.write(item("q1", 1))
         with pytest.raises(RuntimeError, match="being read"):
             buffer.snapshot()
         del records  # a compaction that failed before reading it
         buffer.write(item("q2", 0))
-        _, again = buffer.snapshot()
-        assert sum(1 for record in again if b'"open"' in record) == 2
+        again = buffer.snapshot().pieces
+        assert sum(1 for piece in again if piece.record and b'"open"' in piece.record) == 2
     finally:
         journal.close()

@@ -1,5 +1,5 @@
 """A compaction's cleanup, off the commit path (``buffer.store.cleanup``): the install is O(1),
-the replaced snapshot and the events it covers are deleted afterwards a slice at a time, and
+the rows it replaced and the events it covers are deleted afterwards a slice at a time, and
 neither a write waiting on the writer nor a crash in the middle of it sees the difference."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from buffer.store import cleanup
+from buffer.store import cleanup, snapshot_table
 from buffer.store.sqlite import Journal
 from tests.support.calls import wait_for
 from tests.support.factories import FakeClock, group, trajectory
@@ -38,9 +38,14 @@ def journal(service: Opened) -> Journal:
 
 
 def garbage(database: Path) -> tuple[int, int]:
-    """Rows of replaced snapshots, and events the snapshot covers, still in the database."""
+    """Rows of replaced snapshots (tables, and rows a delta replaced), and events the snapshot
+    covers, still in the database."""
     with contextlib.closing(sqlite3.connect(database)) as db:
         rows = sum(db.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in cleanup.garbage_tables(db))
+        installed = snapshot_table.generation(db)
+        if installed is not None:
+            dead = "SELECT count(*) FROM snap WHERE died <= ?"
+            rows += db.execute(dead, (installed,)).fetchone()[0]
         covered = db.execute(
             "SELECT count(*) FROM events WHERE id <= ?", (cleanup.snapshot_through(db),)
         ).fetchone()[0]
@@ -70,8 +75,9 @@ def test_a_write_is_kept_while_a_large_cleanup_is_pending(
         store.compact()  # the first snapshot: the 60 writes it covers are garbage
         store.wait_durable_blocking(60)
         wait_for(lambda: not store.cleanup_pending, 60, "the first cleanup")
+        service.buffer.read(max_items=40)  # 10 groups delivered: their rows die at the next
         monkeypatch.setattr(cleanup.SideWriter, "clean_slice", held_after_a_slice)
-        store.compact()  # replaces the first: its rows are garbage now
+        store.compact()  # a delta: the rows of the groups read, and the counters, are garbage now
         store.wait_durable_blocking(60)
         assert holding.wait(60), "the cleanup never started"
         service.buffer.write(trajectory("during", 1.0))  # the cleaner is held between two slices
@@ -95,7 +101,7 @@ from buffer.core.task import TaskSettings
 from buffer.store import cleanup, sqlite
 from tests.support.factories import group
 
-cleanup.ROWS = 5
+cleanup.ROWS = 2
 cleanup.SLICE_S = 0.0  # slices that never grow
 journal = sqlite.Journal(Path(sys.argv[1]))
 buffer = RolloutBuffer(TaskSettings(group_size=4))
@@ -138,7 +144,7 @@ def test_a_crash_in_the_middle_of_the_cleanup_restarts_to_the_same_state(
     )
     assert killed.returncode == -9
     rows, covered = garbage(data / "buffer.sqlite3")
-    assert rows > 0  # the replaced snapshot: partly deleted
+    assert rows > 0  # the rows the delta replaced: partly deleted
     assert covered > 0  # the events it covers: not yet
     expected = [f"q{i}" for i in range(2, 10)]
     with opened(data, clock) as first:
@@ -158,7 +164,8 @@ def test_a_staging_left_by_a_crash_is_garbage(clock: FakeClock, tmp_path: Path) 
         journal(service).wait_durable_blocking(60)
         before = state(service.buffer)
     with contextlib.closing(sqlite3.connect(data / "buffer.sqlite3", isolation_level=None)) as db:
-        cleanup.stage_afresh(db)  # a compaction's staging, as a SIGKILL leaves it
+        # a former version's staging, as a SIGKILL leaves it
+        db.execute("CREATE TABLE snapshot_next (id INTEGER PRIMARY KEY, header TEXT, payload BLOB)")
         db.execute("INSERT INTO snapshot_next VALUES (1, '{\"e\": \"state\"}', x'')")
     with opened(data, clock) as restarted:
         assert state(restarted.buffer) == before  # never read

@@ -75,7 +75,7 @@ def test_a_snapshot_replaces_the_events_it_covers(open_service: Any, clock: Fake
     assert first.journal.compactions == 1
     wait_for(lambda: not first.journal.cleanup_pending, 60, "the cleanup after the compaction")
     assert [h["e"] for h in headers(first.journal.database, "events")] == ["nop", "w"]  # the rest replaced
-    assert headers(first.journal.database, "snapshot")
+    assert headers(first.journal.database, "snap")
     assert state(open_service().buffer) == before
 
 
