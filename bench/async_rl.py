@@ -14,10 +14,15 @@ step got a full batch, and where the engines' time went between pauses: ``slot_b
 splits the slots' open time (``--num-process`` x seconds not paused) into requests at the
 engine, samples holding a slot off the engine (reward, write), and free slots by what the run
 waited on: admission's round trip, the staleness bound (no room), the plan's claims, other
-(``buffer.policy.slots``). ``generation_vs_slots``: the engine share of it all (mean requests
-in flight over ``--num-process``); ``generation_vs_ideal``: the engine share of what the bound
-left, ``engine / (1 - staleness_bound)`` (1.0: no slot idle while the trainer would have taken
-another group in time). Run as ``python bench/async_rl.py``; the README's figures come from it.
+(``buffer.policy.slots``). A worker process takes its admission from its socket to the service
+(``buffer.policy.channel``): the service counts the bound from the moment the worker began to
+wait, if it had no room then, so the round trip is the grant's way back to the run (and a wait
+the service had room for); over HTTP it was counted from the ask's arrival.
+``generation_vs_slots``: the engine share of it all (mean requests in flight over
+``--num-process``); ``generation_vs_ideal``: the engine share of what the bound left,
+``engine / (1 - staleness_bound)`` (1.0: no slot idle while the trainer would have taken
+another group in time); ``mean_step_s``: how long the trainer waited for each batch. Run as
+``python bench/async_rl.py``; the README's figures come from it.
 """
 
 from __future__ import annotations

@@ -62,6 +62,9 @@ class JobContext:
     #: environment): what its sinks, leases and policy mirror send to ``buffer_url`` and to
     #: the ``api_key_hosts`` (``key_for``). None in the service's process and outside a job.
     api_key: str | None = field(default=None, repr=False)
+    #: In a worker process the service started: the descriptor of its admission socket to the
+    #: service (``buffer.policy.channel``: grants pushed, not asked for over HTTP). None elsewhere.
+    policy_channel: int | None = field(default=None, repr=False)
     #: The toolkit's counts, for ``GET /jobs/{id}`` (a worker process publishes them to a file).
     progress: dict[str, Any] = field(default_factory=dict)
     #: The service's lease board, for a generator running in the service's own process.

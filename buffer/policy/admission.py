@@ -33,6 +33,8 @@ of it written, stops being pending when the generator says so (``report_cancelle
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -107,6 +109,10 @@ class Admits(Protocol):
     def cancelled(self, groups: int) -> None:
         """``groups`` more of the admitted groups were cancelled, nothing of them written."""
 
+    def offer(self, groups: int) -> None:
+        """The run could start ``groups`` groups now (a slot was freed): a generator elsewhere
+        may ask for them ahead; here, nothing to do."""
+
 
 class Admission:
     """The admission of one task's generator; thread-safe."""
@@ -139,6 +145,10 @@ class Admission:
         self._signal = Signal()
         self.admitted = 0
         self.waits = 0
+        #: Of the admitted, those granted down worker processes' admission sockets (``channel``).
+        self.pushed = 0
+        #: Called at each notify on their loops (``listen``): the admission sockets' services.
+        self._listeners: list[tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = []
         #: Groups cancelled as stale in flight, by who cancelled them (each reports its total).
         self._cancelled: dict[str, int] = {}
         #: The task's groups made in full, by outcome (None: every group pending counts as served).
@@ -211,17 +221,51 @@ class Admission:
                 began = time.monotonic()
             await ticket.wait(1.0)
 
+    def offer(self, groups: int) -> None:
+        """Nothing to ask ahead: ``admit`` is a call (``Admits``)."""
+
+    def release(self, groups: int) -> None:
+        """``groups`` admitted groups will never start (granted to a worker that ended before
+        it took them): they stop counting at once."""
+        if groups <= 0:
+            return
+        with self._lock:
+            self.admitted -= groups
+        self._notify()
+
+    def listen(self, wake: Callable[[], None]) -> Callable[[], None]:
+        """Have ``wake`` called on the running loop after each notify, from whatever thread (room
+        may have appeared): one loop turn, where a ticket's waiter takes three. Returns what
+        stops it."""
+        entry = (asyncio.get_running_loop(), wake)
+        with self._lock:
+            self._listeners.append(entry)
+
+        def stop() -> None:
+            with self._lock, contextlib.suppress(ValueError):
+                self._listeners.remove(entry)
+
+        return stop
+
+    def _notify(self) -> None:
+        self._signal.notify()
+        with self._lock:
+            listeners = list(self._listeners)
+        for loop, wake in listeners:
+            with contextlib.suppress(RuntimeError):  # a loop that has closed
+                loop.call_soon_threadsafe(wake)
+
     def cancelled(self, groups: int) -> None:
         """This process's generator cancelled ``groups`` more groups (``Admits``)."""
         with self._lock:
             self._cancelled["local"] = self._cancelled.get("local", 0) + groups
-        self._signal.notify()
+        self._notify()
 
     def report_cancelled(self, worker: str, total: int) -> None:
         """``worker`` has cancelled ``total`` groups so far (a total: a report sent twice counts once)."""
         with self._lock:
             self._cancelled[worker] = max(total, self._cancelled.get(worker, 0))
-        self._signal.notify()
+        self._notify()
 
     def declare(self, batch_groups: int) -> None:
         """The trainer says its batch: ``batch_groups`` groups a step."""
@@ -229,14 +273,14 @@ class Admission:
             self.batch_groups = max(1, batch_groups)
             self.declared = True
             self._guess = False
-        self._signal.notify()
+        self._notify()
 
     def new_version(self) -> None:
         """The trainer's version changed: its next batch is counted from here."""
         with self._lock:
             self._versioned = True
             self._served_base = self._served()
-        self._signal.notify()
+        self._notify()
 
     def saw_read(self, groups: int) -> None:
         """The trainer asked for ``groups`` groups: the batch is at least that (its first read
@@ -245,11 +289,11 @@ class Admission:
             if not self.declared and (self._guess or groups > self.batch_groups):
                 self.batch_groups = max(1, groups)
                 self._guess = False
-        self._signal.notify()
+        self._notify()
 
     def notify(self) -> None:
         """Something left the buffer: a waiting generator may go on."""
-        self._signal.notify()
+        self._notify()
 
     def snapshot(self) -> dict[str, float | int | bool | None]:
         if self._outcomes is not None:
@@ -268,4 +312,5 @@ class Admission:
             "keep_measured": self.keep.measured,
             "cancelled_stale": self.cancelled_stale,
             "waits": self.waits,
+            "pushed": self.pushed,
         }

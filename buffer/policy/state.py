@@ -146,6 +146,12 @@ class Policy:
         """What a generator elsewhere mirrors: the version and whether it may send requests."""
         return {"version": self.version, "paused": self.gate.paused}
 
+    def mirrored(self) -> dict[str, Any]:
+        """``state`` and the number of the last pause (``pause``), taken together: a mirror
+        orders what it hears by them (``buffer.toolkit.remote_policy.order``)."""
+        with self._lock:
+            return {"version": self.version, "paused": self.gate.paused, "pause": self.pauses}
+
     # -- workers: generators elsewhere, mirroring the gate ------------------------------------
 
     def watch_begins(self, worker: str, report: int, pause: int | None, in_flight: int) -> None:
@@ -325,6 +331,7 @@ class Policy:
             return {
                 "version": self.version,
                 "paused": self.gate.paused,
+                "pause": self.pauses,
                 "mode": self.mode,
                 "resume_refused": self.resume_refused,
                 "engine_urls": list(self.engine_urls),

@@ -431,30 +431,3 @@ def _items(keys: Iterable[str]) -> Iterator[tuple[int, str, int]]:
         parts = split_key(key)
         if parts is not None:
             yield int(parts[0]), parts[1], parts[2]
-
-
-async def read_ahead(samples: AsyncIterator[Sample], depth: int) -> AsyncIterator[Sample]:
-    """``samples``, up to ``depth`` of them taken before the run asks: the claim of the walk's
-    next chunk (a round trip to the service) overlaps the run's use of the last ones, instead
-    of leaving the slots they free idle meanwhile."""
-    queue: asyncio.Queue[tuple[Sample] | BaseException | None] = asyncio.Queue(max(1, depth))
-
-    async def pull() -> None:
-        try:
-            async for sample in samples:
-                await queue.put((sample,))
-        except Exception as exc:  # the run's, raised where it asks
-            await queue.put(exc)
-            return
-        await queue.put(None)
-
-    puller = asyncio.create_task(pull(), name="plan-read-ahead")
-    try:
-        while (got := await queue.get()) is not None:
-            if isinstance(got, BaseException):
-                raise got
-            yield got[0]
-    finally:
-        puller.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await puller

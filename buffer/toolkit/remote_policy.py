@@ -3,11 +3,17 @@
 A generator in a worker process, or on another machine, cannot await the service's gate. It
 keeps a ``Gate`` of its own in step with the service's by long-polling ``GET /policy/watch``
 (a pause reaches it as soon as the service has it), and asks ``POST /policy/admit`` before
-each group. Each watch also tells the service, under the generator's own name, what its gate
-holds: how many engine requests are past it, and which pause it is closed for. A pause's
-drain waits for those requests, and the generator watches anew as soon as they are done while
-paused: a report per pause and per watch, never one per request. In ``abort`` mode the
-engines abort them, and they are continued after the resume.
+each group; a worker process writing to the service that started it keeps a standing demand
+on its admission socket instead, where grants and the policy's changes are pushed
+(``policy_channel``). Each answer carries the policy's state as it was after its grant, and
+the mirror keeps the newest it heard from any of them (``order``): a group admitted for the
+next version (the room a pause makes) never starts under the old one.
+
+Each watch also tells the service, under the generator's own name, what its gate holds: how
+many engine requests are past it, and which pause it is closed for. A pause's drain waits for
+those requests, and the generator watches anew as soon as they are done while paused: a report
+per pause and per watch, never one per request. In ``abort`` mode the engines abort them, and
+they are continued after the resume.
 
 It lives in the toolkit, not in ``buffer.policy``: it is generation-side code (the runner uses
 it when the buffer it writes to is in another process), and it speaks HTTP, which the policy,
@@ -22,11 +28,15 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
+from buffer.current import current_job
 from buffer.policy.gate import Gate
+from buffer.toolkit.policy_channel import ChannelAdmission, channel_admission, close_admission
+from buffer.toolkit.sink import same_service
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +52,17 @@ class RemoteAdmission:
     not paid between one group and the next either (the service counts what it granted as
     outstanding from then: the bound holds)."""
 
-    def __init__(self, client: httpx.AsyncClient, task_type: str, worker: str = "") -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        task_type: str,
+        worker: str = "",
+        on_policy: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self._client = client
+        #: Handed the policy's state an answer carries (taken after its grant), before the
+        #: groups are taken: a group admitted for the next version starts under it.
+        self._on_policy = on_policy
         self._task_type = task_type
         self.bounded = True
         self._next: asyncio.Task[float] | None = None
@@ -93,10 +112,15 @@ class RemoteAdmission:
                 continue
             self.bounded = bool(data.get("bounded", True))
             waited_s += float(data.get("waited_s") or 0.0)
+            if isinstance(state := data.get("policy"), dict) and self._on_policy is not None:
+                self._on_policy(state)
             if data.get("admitted") and self.bounded:
                 self._granted += int(data.get("groups") or 1)  # an older service admits one
                 return waited_s
         return waited_s
+
+    def offer(self, groups: int) -> None:
+        """Nothing: an ask is made as the run takes the last group granted (``Admits``)."""
 
     def _said(self) -> dict[str, Any]:
         return {"worker": self._worker, "cancelled_stale": self._cancelled}
@@ -128,7 +152,9 @@ class RemoteAdmission:
 
 
 class RemotePolicy:
-    """A gate kept in step with the service's, and its admission, for one generator."""
+    """A gate kept in step with the service's, and its admission, for one generator: over the
+    worker process's admission socket when the buffer is the service that started it
+    (``policy_channel``: grants pushed), else over HTTP."""
 
     def __init__(self, client: httpx.AsyncClient, task_type: str) -> None:
         self._client = client
@@ -136,7 +162,10 @@ class RemotePolicy:
         self._watcher: asyncio.Task[None] | None = None
         #: Who this generator is to the service (``Policy.watch_begins``): unique per mirror.
         self.name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.admission = RemoteAdmission(client, task_type, self.name)
+        self._remote = RemoteAdmission(client, task_type, self.name, self._apply)
+        self._channel: ChannelAdmission | None = None
+        self.admission: RemoteAdmission | ChannelAdmission = self._remote
+        self._applied: tuple[int, int, int] | None = None  # the order of the state last mirrored
         #: The number of the service's last pause, as last heard (-1: not yet heard).
         self.pause = -1
         self._reports = 0
@@ -163,10 +192,22 @@ class RemotePolicy:
             return None
         remote = cls(client, task_type)
         remote._apply(state)
+        fd = await service_channel(buffer_url)
+        if fd is not None:
+            remote._channel = await channel_admission(
+                fd, task_type, remote.name, remote._remote, on_policy=remote._apply
+            )
+            remote.admission = remote._channel or remote._remote
         remote._watcher = asyncio.create_task(remote._watch(), name="policy-watch")
         return remote
 
     def _apply(self, state: dict[str, Any]) -> None:
+        """Mirror ``state``, heard by the watch or on the admission socket: one older than what
+        was last mirrored (``order``) is ignored, so the two can arrive in any order."""
+        key = order(state, self.pause)
+        if self._applied is not None and key < self._applied:
+            return
+        self._applied = key
         version = state.get("version")
         if isinstance(pause := state.get("pause"), int):
             self.pause = pause
@@ -224,9 +265,38 @@ class RemotePolicy:
                         await task
 
     async def aclose(self) -> None:
-        await self.admission.aclose()
+        if self._channel is not None:
+            await close_admission(self._channel)
+        await self._remote.aclose()
         if self._watcher is not None:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
         await self._client.aclose()
+
+
+async def service_channel(buffer_url: str) -> int | None:
+    """The worker process's admission socket, when ``buffer_url`` reaches the service that
+    started it (its own address, or the same port on an address of this machine, as a
+    trainer's view of it is: ``JobContext.policy_channel``); None for any other buffer, or
+    outside a worker process."""
+    job = current_job()
+    if job is None or job.policy_channel is None or job.buffer_url is None:
+        return None
+    if buffer_url.rstrip("/") == job.buffer_url.rstrip("/"):
+        return job.policy_channel
+    local = await asyncio.to_thread(same_service, buffer_url, job.buffer_url)  # resolves: blocking
+    return job.policy_channel if local else None
+
+
+def order(state: dict[str, Any], pause: int) -> tuple[int, int, int]:
+    """Where ``state`` (``version``, ``paused``, ``pause``: the number of the last pause, else
+    ``pause``) comes in the policy's history: pauses count up, a pause's resume comes after it,
+    versions only go up."""
+    number = state.get("pause")
+    version = state.get("version")
+    return (
+        number if isinstance(number, int) else pause,
+        0 if state.get("paused") else 1,
+        version if isinstance(version, int) else -1,
+    )

@@ -27,7 +27,7 @@ import inspect
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Any
 
@@ -36,7 +36,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from buffer.current import current_job
 from buffer.logprob_kinds import LogprobsMode
-from buffer.policy import find_policy
 from buffer.policy.admission import Admits
 from buffer.policy.gate import Gate, recording
 from buffer.policy.slots import SlotTime
@@ -45,12 +44,11 @@ from buffer.toolkit.agent import single_turn
 from buffer.toolkit.dataset import Plan, ResumePoint, read_rows
 from buffer.toolkit.engines import Engine
 from buffer.toolkit.failfast import FailFast, MisconfiguredEngine
-from buffer.toolkit.leased import leased, read_ahead
+from buffer.toolkit.following import PlanSamples, follow
 from buffer.toolkit.llm import ChatClient, ContinuePolicy, EngineClient, LLMStats, RetryPolicy
 from buffer.toolkit.offload import Offload
 from buffer.toolkit.pool import group_key, routing_key
 from buffer.toolkit.records import LogprobsJudge
-from buffer.toolkit.remote_policy import RemotePolicy
 from buffer.toolkit.sink import HttpSink, RejectedTrajectory, TrajectorySink, open_sink
 from buffer.toolkit.tito import TokenClient, TokenRenderer, tokenizer_for
 from buffer.toolkit.trajectory import build_trajectory
@@ -308,36 +306,32 @@ async def run_rollouts(
         if own_llm:
             await llm.aclose()
         raise
-    policy = find_policy(settings.remote_buffer_url)
-    remote: RemotePolicy | None = None
-    if policy is None and settings.remote_buffer_url and settings.follow_policy:
-        authorization = sink.authorization if isinstance(sink, HttpSink) else None
-        remote = await RemotePolicy.connect(settings.remote_buffer_url, settings.task_type, authorization)
-    gate = policy.gate if policy is not None else remote.gate if remote is not None else None
+    samples = PlanSamples(plan, settings.task_type, data.get("leases"))  # claims start now
+    following = await follow(
+        settings.remote_buffer_url, settings.task_type, sink, mirror=settings.follow_policy
+    )
+    gate = following.gate
     if gate is not None and llm.gate is None:  # obey the buffer's pauses
         llm.gate = gate
     if llm.gate is not None:
-        if remote is not None:
+        if following.remote is not None:
             llm.gate.reset_stats()  # a mirror of its own: from this run's start
         progress.gate = llm.gate
     run = _Run(
         settings, progress, sink, functools.partial(rollout, llm, **settings.sampling()), reward, group_reward
     )
     run.mode = llm.mode
-    if policy is not None:
-        run.admission = policy.admission(settings.task_type)
-    elif remote is not None:
-        run.admission = remote.admission
+    run.admission = following.admission
     run.stamp_versions = gate is not None
     run.stale = StaleGroups(gate, data.get("max_staleness"), settings.num_repeat_per_sample, run.admission)
-    run.leases = data.get("leases")
     publish = functools.partial(_publish, progress, llm.stats, llm.stats.copy())
     reporter = asyncio.create_task(
         _report(progress, settings.progress_interval_s, publish), name="rollout-progress"
     )
     try:
-        await run.all(plan)
+        await run.all(samples)
     finally:
+        await samples.aclose()
         reporter.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reporter
@@ -352,8 +346,7 @@ async def run_rollouts(
         finally:
             publish()
             logger.info("%s; done", progress.line())
-            if remote is not None:
-                await remote.aclose()
+            await following.aclose()
     if progress.rejected:  # the run went on without them; the job must not succeed as if whole
         raise RejectedTrajectory(
             f"the buffer refused {progress.rejected} of {progress.completed} trajectories "
@@ -440,12 +433,12 @@ class _Run:
         self.stamp_versions = False
         self.versions: dict[int, list[int]] = {}  # by id(sample): its requests' versions
         self.failure_kinds: set[str] = set()  # each kind of failure is logged once, with its reason
-        self.leases: dict[str, Any] | None = None  # work leases from the buffer (data["leases"])
         self.mode: str | None = None  # the client's ("token", "chat"), for trajectories without answers
         self.first_rejection: str | None = None  # why the buffer refused the first it refused
         self.broken: BaseException | None = None  # the first error a sample's task raised
+        self.written: dict[tuple[int, Any], int] = {}  # trajectories written, by group not yet whole
 
-    async def all(self, plan: Plan) -> None:
+    async def all(self, samples: PlanSamples) -> None:
         slots = asyncio.Semaphore(self.settings.num_process)
         tasks = self.tasks
         clock = self.progress.slot_time = SlotTime(self.progress.gate, self.settings.num_process)
@@ -454,20 +447,24 @@ class _Run:
             tasks.discard(task)
             slots.release()
             clock.freed()
+            if self.admission is not None:  # the room its slot leaves, asked for before it is needed
+                self.admission.offer(-(-(self.settings.num_process - len(tasks)) // group_size))
             # A sample's task raised (its sink or its scoring broke, not its rollout, which is
             # written as failed): the run fails with the first such error, never silently short.
             if not task.cancelled() and (error := task.exception()) is not None and self.broken is None:
                 self.broken = error
 
+        group_size = self.settings.num_repeat_per_sample
+        if self.admission is not None:  # every slot is free: asked for before the first sample
+            self.admission.offer(-(-self.settings.num_process // group_size))
         last_group: tuple[int, Any] | None = None
         watch = asyncio.create_task(self.stale.watch())
         try:
-            async for sample in clock.samples(_samples(plan, self.settings.task_type, self.leases)):
+            async for sample in clock.samples(aiter(samples)):
                 group = (sample.epoch, sample.instance_id)
                 if self.admission is not None and group != last_group:
                     clock.admitting()
                     free = self.settings.num_process - len(tasks)  # one ask for all their groups
-                    group_size = self.settings.num_repeat_per_sample
                     clock.admitted(await self.admission.admit(max(1, -(-free // group_size))))
                 last_group = group
                 await slots.acquire()
@@ -584,6 +581,7 @@ class _Run:
         trajectory = self._trajectory(sample, episode, reward, error)
         try:
             await self.sink.write(trajectory)
+            self._group_written((sample.epoch, sample.instance_id))
         except RejectedTrajectory as exc:  # counted; the run fails at its end (``run_rollouts``)
             self.progress.rejected += 1
             self.first_rejection = self.first_rejection or f"{trajectory['uid']}: {str(exc)[:500]}"
@@ -604,6 +602,16 @@ class _Run:
                 )
         elif trajectory["extra_info"]["finish_reason"] == "abort":
             self.progress.aborted += 1
+
+    def _group_written(self, key: tuple[int, Any]) -> None:
+        """A trajectory of group ``key`` was written; its last: the sink sends it now, not at
+        the end of its flush interval (only a whole group is served, or dropped and its room
+        in admission freed)."""
+        written = self.written.pop(key, 0) + 1
+        if written < self.settings.num_repeat_per_sample:
+            self.written[key] = written
+        elif (flush := getattr(self.sink, "flush", None)) is not None:
+            flush()
 
     def _trajectory(
         self, sample: Sample, episode: Episode | None, reward: float | None, error: BaseException | None
@@ -633,22 +641,6 @@ def _as_async(fn: Callable[..., Any], offload: Offload) -> Callable[..., Awaitab
         return await result if inspect.isawaitable(result) else result
 
     return in_thread
-
-
-async def _samples(plan: Plan, task_type: str, leases: dict[str, Any] | None) -> AsyncIterator[Sample]:
-    """The plan's samples; with ``leases`` (a job's worker, or ``rollout-buffer worker
-    --leases``), those the buffer grants this worker from the whole plan
-    (``buffer.toolkit.leased``)."""
-    if leases is None:
-        for sample in plan:
-            yield sample
-        return
-    async for sample in read_ahead(leased(plan, task_type, leases), LEASE_READ_AHEAD):
-        yield sample
-
-
-#: Samples of a worker's leased plan taken ahead of the run (``read_ahead``): half a chunk.
-LEASE_READ_AHEAD = 32
 
 
 def _worker_share(data: dict[str, Any]) -> tuple[int, int]:

@@ -18,6 +18,7 @@ and returns as if all went well.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import socket
@@ -40,6 +41,13 @@ class TrajectorySink(Protocol):
     async def write(self, trajectory: dict[str, Any]) -> None: ...
 
     async def aclose(self) -> None: ...
+
+
+class _Flush:
+    """Queued by ``HttpSink.flush``: the batch goes out with what is queued before it."""
+
+
+_FLUSH = _Flush()
 
 
 class RejectedTrajectory(ValueError):
@@ -74,7 +82,7 @@ class HttpSink:
         self._batch_size = batch_size
         self._flush_interval_s = flush_interval_s
         self._wait = wait_random_exponential(multiplier=backoff_s, max=max_backoff_s)
-        self._queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(max_pending)
+        self._queue: asyncio.Queue[dict[str, Any] | _Flush | None] = asyncio.Queue(max_pending)
         self._client = client
         self._transport = Http11Transport(max_connections=8, timeout_s=60.0) if client is None else None
         self._flusher: asyncio.Task[None] | None = None
@@ -102,6 +110,14 @@ class HttpSink:
             self._flusher.result()  # surface the flusher's failure
         await self._queue.put(trajectory)
 
+    def flush(self) -> None:
+        """Send what is queued now, without waiting out the flush interval for more (the runner
+        says so when a group's last trajectory is written: a group is served, or dropped and
+        its room in admission freed, only once whole)."""
+        if self._flusher is not None and not self._flusher.done():
+            with contextlib.suppress(asyncio.QueueFull):  # full: the batch goes out at once anyway
+                self._queue.put_nowait(_FLUSH)
+
     async def aclose(self) -> None:
         """Send everything queued, then stop; ``RejectedTrajectory`` if the buffer refused any."""
         try:
@@ -122,6 +138,8 @@ class HttpSink:
             first = await self._queue.get()
             if first is None:
                 return
+            if isinstance(first, _Flush):  # what it was for is sent already
+                continue
             batch = [first]
             closing = await self._fill(batch)
             await self._send(batch)
@@ -140,6 +158,8 @@ class HttpSink:
                     item = queue.get_nowait() if not queue.empty() else await queue.get()
                     if item is None:
                         return True
+                    if isinstance(item, _Flush):
+                        return False
                     batch.append(item)
         except TimeoutError:
             pass

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -74,6 +75,11 @@ def main(parent: int | None = None, lifeline: int | None = None, progress: int |
     _watch_parent(os.getppid() if parent is None else parent, lifeline)
     set_parent_death_signal(0)  # the lifeline's from now: it takes what the generator starts along
     spec = WorkerSpec.from_json(json.loads(sys.stdin.read()))
+    if spec.policy_fd is not None:
+        try:
+            os.set_inheritable(spec.policy_fd, False)  # what the generator starts holds no copy
+        except OSError:  # not passed after all: the generator asks over HTTP
+            spec = dataclasses.replace(spec, policy_fd=None)
     configure_logging(spec.log_level, levels=spec.log_levels)
     pipe: ProgressPipe | None = None
     if progress is not None:
@@ -114,6 +120,7 @@ def run(spec: WorkerSpec, outcome: dict[str, Any] | None = None, report: Report 
         in_worker=True,
         api_key_hosts=frozenset(spec.api_key_hosts),
         api_key=spec.api_key,
+        policy_channel=spec.policy_fd,
     )
     if report is not None:
         job.progress = ReportedProgress(report)

@@ -34,12 +34,15 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from buffer.policy.channel import serve_worker
+from buffer.policy.state import find_policy
 from buffer.workers.lineage import WORKER_MARK, end_lineage, kill_descendants, new_mark
 from buffer.workers.output import WorkerOutput
 from buffer.workers.progress import receive
@@ -102,6 +105,8 @@ class WorkerProcess:
     _output: list[asyncio.Task[None]] = field(default_factory=list, repr=False)
     #: Its ``WORKER_MARK``: in its environment, and so in that of everything it starts.
     _mark: str = field(default="", repr=False)
+    #: Serves its admission socket (``buffer.policy.channel``) until its end closes.
+    _admission: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int | None:
@@ -121,6 +126,14 @@ class WorkerProcess:
         env = {**(os.environ if self.env is None else self.env), WORKER_MARK: self._mark}
         (stdout, stdout_end), (stderr, stderr_end) = os.pipe(), os.pipe()
         progress, progress_end = os.pipe()
+        # Admission pushed down a socket of its own, when the buffer it writes to is this
+        # service's (``buffer.policy.channel``): no HTTP round trip per room.
+        policy = find_policy(spec.buffer_url)
+        admission: tuple[socket.socket, socket.socket] | None = None
+        if policy is not None:
+            admission = socket.socketpair()
+            spec = self.spec = dataclasses.replace(spec, policy_fd=admission[1].fileno())
+        passed = (lifeline, progress_end, *([] if admission is None else [admission[1].fileno()]))
         try:
             self.process = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -135,7 +148,7 @@ class WorkerProcess:
                 stdout=stdout_end,
                 stderr=stderr_end,
                 env=env,
-                pass_fds=(lifeline, progress_end),
+                pass_fds=passed,
                 start_new_session=True,  # its own session and process group, set at exec
             )
         except BaseException:
@@ -143,11 +156,19 @@ class WorkerProcess:
             os.close(stdout)
             os.close(stderr)
             os.close(progress)
+            if admission is not None:
+                admission[0].close()
             raise
         finally:
             for end in (lifeline, stdout_end, stderr_end, progress_end):
                 os.close(end)
+            if admission is not None:
+                admission[1].close()
         name = f"{spec.job_id}/{spec.index}"
+        if admission is not None and policy is not None:
+            self._admission = asyncio.create_task(
+                serve_worker(policy, admission[0], name), name=f"{name}-admission"
+            )
         output = WorkerOutput(name)
         self._output = [
             asyncio.create_task(output.forward(stdout, logging.INFO), name=f"{name}-stdout"),
@@ -173,6 +194,7 @@ class WorkerProcess:
             self._close_lifeline()
             await self._end_output()
             await self._progress_received()  # its last word
+            await self._admission_ended()
             self.outcome = self._read_outcome(code)
             return self.outcome
         finally:  # cancelled too (the service stopping): its folder goes with it
@@ -207,6 +229,7 @@ class WorkerProcess:
                 break
             await asyncio.sleep(0.02)
         await self._progress_received()
+        await self._admission_ended()
         if self.outcome is None:  # how it ended, said now: the task in ``wait`` may be cancelled next
             self.outcome = self._read_outcome(code)
 
@@ -234,6 +257,18 @@ class WorkerProcess:
             receiver.cancel()
         elif not receiver.cancelled() and receiver.exception() is not None:
             logger.warning("%s: its progress could not be read: %s", self.spec.job_id, receiver.exception())
+
+    async def _admission_ended(self) -> None:
+        """Once it has exited: its admission socket's end closed, what it was granted and did
+        not take is released (within ``OUTPUT_DRAIN_S``, else at once)."""
+        serving, self._admission = self._admission, None
+        if serving is None:
+            return
+        done, _ = await asyncio.wait({serving}, timeout=OUTPUT_DRAIN_S)
+        if not done:
+            serving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await serving
 
     def describe(self) -> dict[str, Any]:
         outcome = self.outcome

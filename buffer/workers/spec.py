@@ -34,6 +34,9 @@ class WorkerSpec:
     api_key_hosts: tuple[str, ...] = ()
     #: The service's own key, for writes back to ``buffer_url`` (and the ``api_key_hosts``).
     api_key: str | None = field(default=None, repr=False)
+    #: The worker's end of its admission socket (``buffer.policy.channel``), a descriptor it
+    #: inherits; None: it asks for admission over HTTP.
+    policy_fd: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

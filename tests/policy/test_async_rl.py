@@ -45,6 +45,9 @@ def test_a_paused_and_versioned_run_serves_nothing_stale_loses_nothing_and_fills
     assert figures["generation_vs_ideal"] > 0.15, figures
     assert figures["stale_share"] <= 0.1, figures  # made only what is read in time
     admission = figures["admission"]
+    # The worker process's admission came down its socket (pushed as room appeared), none over HTTP.
+    assert admission["pushed"] >= admission["admitted"] > 0, admission
+    assert admission["waits"] == 0, admission
     assert admission["capacity"] == 2 * admission["batch_groups"]  # (S + 1) batches, no more
     assert admission["batch_groups"] == 3  # the trainer's batch, not num_process
     # In flight: the groups the trainer will read over the filter's measured keep-rate, at most

@@ -464,6 +464,7 @@ def test_admission_over_http_waits_for_room(client: TestClient) -> None:
         "bounded": True,
         "groups": 1,
         "waited_s": 0.0,
+        "policy": {"version": None, "paused": False, "pause": 0},  # to mirror before the group starts
     }
     refused = client.post("/policy/admit", json={"task_type": "math", "wait_s": 0.1}).json()["data"]
     assert refused["admitted"] is False

@@ -283,21 +283,26 @@ async def admit(body: AdmitRequest, svc: Annotated[Services, Depends(services)])
         admission.report_cancelled(body.worker, body.cancelled_stale)
     if not body.admit:
         return envelope(True, "Reported", {"admitted": False, "reported": admission is not None})
+    policy = svc.buffer.policy
     if admission is None or admission.capacity is None:
         if admission is not None:
             admission.try_admit(body.groups)
         return envelope(True, "Admitted", {"admitted": True, "bounded": False, "groups": body.groups})
+    # The policy's state taken after the grant, for the worker to mirror before it starts the
+    # groups: room a pause made is for the next version, and the watch may not have said the
+    # pause yet.
     if groups := admission.try_admit(body.groups):
-        return envelope(
-            True, "Admitted", {"admitted": True, "bounded": True, "groups": groups, "waited_s": 0.0}
-        )
+        granted = {"admitted": True, "bounded": True, "groups": groups, "waited_s": 0.0}
+        return envelope(True, "Admitted", {**granted, "policy": policy.mirrored()})
     began = time.monotonic()  # ``waited_s``: how long there was no room (the run's slot breakdown)
     admitted = await svc.stopping.unless(_admitted_within(admission, body.wait_s))
     waited = {"bounded": True, "waited_s": round(time.monotonic() - began, 4)}
     if not admitted:
         return envelope(True, "No room yet", {"admitted": False, "groups": 0, **waited})
     groups = 1 + admission.try_admit(body.groups - 1)  # the room a read made is often for several
-    return envelope(True, "Admitted", {"admitted": True, "groups": groups, **waited})
+    return envelope(
+        True, "Admitted", {"admitted": True, "groups": groups, **waited, "policy": policy.mirrored()}
+    )
 
 
 async def _admitted_within(admission: Admission, wait_s: float) -> bool:
