@@ -23,7 +23,26 @@ every call is journaled and acknowledged once on disk (``--durability`` as the s
 ``--processes 1,2`` measures gateway processes (``rollout-buffer gateway``) instead, chat only: the
 buffer hands the sessions out (``--gateway-url``), the agents run in ``--agent-processes`` processes
 of their own, and each count prints its calls/s and the CPU a call of the service, the gateway
-processes, the engine and the agents.
+processes, the engine and the agents, and what the machine's cores allow at those costs (the
+arithmetic: each gateway process proxies at most one core's worth, all the processes together at
+most the machine's). The engine and the agents are made as cheap as this machine allows, so the
+gateway processes have the cores: ``--engine raw`` (the default there) answers every request with
+one vLLM-shaped answer kept ready, from a bare asyncio server in this file (no framework, the body
+unread: a few tens of us a request), ``--engine loopback`` with the stand-in above; ``--agents raw``
+(the default) call on the toolkit's HTTP/1.1 transport (``buffer.toolkit.http11``), ``--agents
+aiohttp`` on aiohttp's client. ``--stream`` asks for streamed answers; ``--session-calls K``
+makes each session K calls, opened, rewarded and ended (written) at the buffer within the time
+measured, as a harness does (0, the default: one session an agent for the whole run).
+
+``--breakdown`` measures one gateway process's CPU a call stage by stage, its chat route cut down
+(``serve_staged_gateway``: a canned answer; the session found and the body read; the engine asked,
+its bytes passed back; through the toolkit's engine client; the whole route, also streamed and
+journaled), then what a session's open, reward and end cost the gateway process and the buffer.
+Run in a worktree of an earlier commit, it measures that commit's code (it runs the tree it is in).
+
+    .venv/bin/python bench/gateway.py --processes 1,2 --concurrency 16 --calls 8000
+    .venv/bin/python bench/gateway.py --processes 1,2 --concurrency 16 --calls 8000 --session-calls 10
+    .venv/bin/python bench/gateway.py --breakdown --concurrency 16 --calls 8000 --sessions 1000
 """
 
 from __future__ import annotations
@@ -31,11 +50,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
+import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -176,48 +198,227 @@ def gateway_command(python: str, port: int, buffer_url: str, extra: list[str]) -
     return [*command, "--port", str(port), "--log-level", "warning", *extra]
 
 
-def agents(buffer_url: str, engine_url: str, count: int, calls: int, first: int, go: Any, out: Any) -> None:
+def agents(
+    buffer_url: str,
+    engine_url: str,
+    count: int,
+    calls: int,
+    first: int,
+    go: Any,
+    out: Any,
+    client: str,
+    stream: bool,
+    session_calls: int = 0,
+) -> None:
     """One agent process: ``count`` agents, each in a fresh session opened at the buffer (handed
-    to a gateway process), ``calls`` calls each once ``go`` is set; sends back the latencies."""
+    to a gateway process), ``calls`` calls each once ``go`` is set, on ``client`` (``raw``: the
+    toolkit's HTTP/1.1 transport; ``aiohttp``); sends back the latencies. ``session_calls``: each
+    agent's sessions make that many calls each, every one opened, rewarded and ended at the buffer
+    (its trajectory written) within the time measured; 0: one session an agent, discarded after."""
 
     async def run_agents() -> tuple[list[float], float, float, float]:
+        from buffer.toolkit.http11 import Http11Transport
+
         connector = aiohttp.TCPConnector(limit=count * 2)
         async with aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=120)
-        ) as client:
-            sessions = []
+        ) as session_client:
+            transport = Http11Transport(max_connections=count * 2, timeout_s=120.0)
+
+            async def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+                if client == "raw":
+                    reply = await transport.post(
+                        url, orjson.dumps(body), {"content-type": "application/json"}
+                    )
+                    status, content = reply.status, reply.body
+                else:
+                    async with session_client.post(url, json=body) as response:
+                        status, content = response.status, await response.read()
+                if status != 200:
+                    raise RuntimeError(f"HTTP {status} from {url}: {content[:300]!r}")
+                answer: dict[str, Any] = orjson.loads(content)
+                return answer
+
+            async def opened(
+                instance_id: str,
+            ) -> tuple[dict[str, Any], tuple[str, dict[str, Any], dict[str, str]]]:
+                body = {"task_type": "bench", "instance_id": instance_id, "remote_engine_url": engine_url}
+                session = (await post(f"{buffer_url}/sessions", body))["data"]
+                url, call, headers = chat_call(session)
+                return session, (url, {**call, "stream": True} if stream else call, headers)
+
+            calling = (
+                raw_calls(transport) if client == "raw" else functools.partial(timed_calls, session_client)
+            )
+
+            async def in_sessions(index: int) -> list[float]:
+                latencies: list[float] = []
+                for number in range(-(-calls // session_calls)):
+                    session, (url, body, headers) = await opened(f"q{number}")  # the agents' n-th: a group
+                    latencies += await calling(url, body, headers, min(session_calls, calls - len(latencies)))
+                    await post(f"{buffer_url}/sessions/{session['session_id']}/end", {"reward": index % 2})
+                return latencies
+
+            sessions, requests = [], []
             for index in range(count):
-                body = {"task_type": "bench", "instance_id": first + index, "remote_engine_url": engine_url}
-                async with client.post(f"{buffer_url}/sessions", json=body) as response:
-                    response.raise_for_status()
-                    sessions.append((await response.json())["data"])
-            requests = [chat_call(session) for session in sessions]
-            await asyncio.gather(*[timed_calls(client, u, b, h, 5) for u, b, h in requests])
+                session, request = await opened(f"agent-{first + index}")
+                sessions.append(session)
+                requests.append(request)
+            await asyncio.gather(*[calling(u, b, h, 5) for u, b, h in requests])
             await asyncio.to_thread(go.wait)
             started, cpu_s = time.perf_counter(), time.process_time()
-            timed = [timed_calls(client, u, b, h, calls) for u, b, h in requests]
+            if session_calls:
+                timed = [in_sessions(first + index) for index in range(count)]
+            else:
+                timed = [calling(u, b, h, calls) for u, b, h in requests]
             latencies = [latency for lists in await asyncio.gather(*timed) for latency in lists]
             ended, cpu_s = time.perf_counter(), time.process_time() - cpu_s
             for session in sessions:
-                async with client.post(
-                    f"{buffer_url}/sessions/{session['session_id']}/end", json={"discard": True}
-                ):
-                    pass
+                await post(f"{buffer_url}/sessions/{session['session_id']}/end", {"discard": True})
+            await transport.aclose()
             return latencies, started, ended, cpu_s
 
-    out.send(asyncio.run(run_agents()))
+    out.send(run_in_loop(run_agents()))
+
+
+def raw_calls(transport: Any) -> Callable[..., Any]:
+    """``timed_calls`` on the toolkit's HTTP/1.1 transport: an agent as cheap as Python makes one."""
+
+    async def calling(url: str, body: dict[str, Any], headers: dict[str, str], calls: int) -> list[float]:
+        content = orjson.dumps(body)
+        headers = {**headers, "content-type": "application/json"}
+        latencies = []
+        for _ in range(calls):
+            started = time.perf_counter()
+            reply = await transport.post(url, content, headers)
+            latencies.append(time.perf_counter() - started)
+            if reply.status != 200:
+                raise RuntimeError(f"HTTP {reply.status} from {url}: {reply.text[:300]}")
+        return latencies
+
+    return calling
+
+
+def run_in_loop(main: Any) -> Any:
+    """``main`` on uvloop where it is installed (the gateway's and the service's loop)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvicorn[standard] brings it
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+# -- the raw engine: one answer kept ready, from a bare asyncio server -------------------------
+
+RAW_PROMPT_IDS = list(range(1, 40))
+RAW_OUTPUT_IDS = [1072, 1101, 1108, 1108, 1111, 1046, 2]
+
+
+def raw_answer() -> bytes:
+    """A vLLM chat completion with the capture's fields: what the gateway reads of every answer."""
+    logprobs = [{"token": "t", "logprob": -0.1, "top_logprobs": []} for _ in RAW_OUTPUT_IDS]
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": "Hello."},
+        "logprobs": {"content": logprobs},
+        "finish_reason": "stop",
+        "token_ids": RAW_OUTPUT_IDS,
+    }
+    answer = {
+        "id": "chatcmpl-raw",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "policy",
+        "choices": [choice],
+        "usage": {"prompt_tokens": len(RAW_PROMPT_IDS), "completion_tokens": len(RAW_OUTPUT_IDS)},
+        "prompt_token_ids": RAW_PROMPT_IDS,
+    }
+    return orjson.dumps(answer)
+
+
+def serve_raw_engine(host: str, port: int) -> None:
+    """Answer every request with ``raw_answer()`` (``GET /health``: ``{}``), kept alive, until
+    SIGTERM: the cheapest engine this machine runs, so the gateway processes get the cores."""
+    import signal
+
+    import httptools
+
+    answer = raw_answer()
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+    reply = head % len(answer) + answer
+    health = head % 2 + b"{}"
+
+    class Engine(asyncio.Protocol):
+        def connection_made(self, transport: Any) -> None:
+            self.transport = transport
+            self.parser = httptools.HttpRequestParser(self)
+            self.get = False
+
+        def data_received(self, data: bytes) -> None:
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                self.transport.close()
+
+        def on_headers_complete(self) -> None:
+            self.get = self.parser.get_method() == b"GET"
+
+        def on_message_complete(self) -> None:
+            self.transport.write(health if self.get else reply)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stop = loop.create_future()
+        loop.add_signal_handler(signal.SIGTERM, stop.set_result, None)
+        server = await loop.create_server(Engine, host, port, backlog=1024)
+        async with server:
+            await stop
+
+    run_in_loop(main())
+
+
+class RawEngine:
+    """``serve_raw_engine`` in a process of its own (``url``, ``pid``), stopped on leaving."""
+
+    def __enter__(self) -> RawEngine:
+        import subprocess
+
+        port = common.free_port()
+        self.url = f"http://{common.HOST}:{port}"
+        command = [sys.executable, __file__, "--serve-raw-engine", str(port)]
+        self.process = subprocess.Popen(command, cwd=common.REPO)
+        self.pid = self.process.pid
+        _wait(f"{self.url}/health")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.terminate()
+        self.process.wait(10)
 
 
 def run_processes(args: argparse.Namespace, counts: list[int]) -> dict[str, Any]:
-    """For each count of gateway processes: throughput and CPU per call, agents in processes of their own."""
+    """For each count of gateway processes: throughput and CPU per call, agents in processes of
+    their own; and what the cores allow at those costs."""
     import multiprocessing
     import subprocess
 
     context = multiprocessing.get_context("fork")  # before any event loop in this process
-    report: dict[str, Any] = {"concurrency": args.concurrency, "cpus": common.CPUS, "runs": {}}
+    report: dict[str, Any] = {
+        "concurrency": args.concurrency,
+        "cpus": common.CPUS,
+        "engine": args.engine,
+        "agents": args.agents,
+        "agent_processes": args.agent_processes,
+        "stream": args.stream,
+        "session_calls": args.session_calls,
+        "runs": {},
+    }
     per_agent = max(1, args.calls // args.concurrency)
     with contextlib.ExitStack() as stack:
-        engine = stack.enter_context(common.Server(module="tests.support.loopback_engine"))
+        if args.engine == "raw":
+            engine: Any = stack.enter_context(RawEngine())
+        else:
+            engine = stack.enter_context(common.Server(module="tests.support.loopback_engine"))
         for count in counts:
             ports = [common.free_port() for _ in range(count)]
             gateways = [f"http://127.0.0.1:{port}" for port in ports]
@@ -226,6 +427,8 @@ def run_processes(args: argparse.Namespace, counts: list[int]) -> dict[str, Any]
                 processes = []
                 for index, port in enumerate(ports):
                     data = ["--data-dir", f"{args.data_dir}/{count}-{index}"] if args.data_dir else []
+                    if args.data_dir:
+                        data += ["--durability", args.durability]
                     log = running.enter_context(tempfile.TemporaryFile())
                     command = gateway_command(sys.executable, port, buffer.url, data)
                     process = subprocess.Popen(command, cwd=common.REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -243,7 +446,19 @@ def run_processes(args: argparse.Namespace, counts: list[int]) -> dict[str, Any]
                     receive, send = context.Pipe(duplex=False)
                     first = sum(share[:index])
                     worker = context.Process(
-                        target=agents, args=(buffer.url, engine.url, agents_here, per_agent, first, go, send)
+                        target=agents,
+                        args=(
+                            buffer.url,
+                            engine.url,
+                            agents_here,
+                            per_agent,
+                            first,
+                            go,
+                            send,
+                            args.agents,
+                            args.stream,
+                            args.session_calls,
+                        ),
                     )
                     worker.start()
                     pipes.append(receive)
@@ -254,23 +469,68 @@ def run_processes(args: argparse.Namespace, counts: list[int]) -> dict[str, Any]
                     "gateways": [p.pid for p in processes],
                     "engine": [engine.pid],
                 }
-                before = {name: sum(common.cpu_seconds(pid) for pid in group) for name, group in pids.items()}
+                before = {name: [common.cpu_seconds(pid) for pid in group] for name, group in pids.items()}
+                switches = [context_switches(pid) for pid in pids["gateways"]]
+                machine = common.machine_cpu()
                 go.set()
                 results = [pipe.recv() for pipe in pipes]
-                after = {name: sum(common.cpu_seconds(pid) for pid in group) for name, group in pids.items()}
+                after = {name: [common.cpu_seconds(pid) for pid in group] for name, group in pids.items()}
+                switched = [
+                    [later - earlier for earlier, later in zip(first, context_switches(pid), strict=True)]
+                    for first, pid in zip(switches, pids["gateways"], strict=True)
+                ]
+                shares = common.machine_shares(machine, common.machine_cpu())
+                load = os.getloadavg()[0]
                 for worker in workers:
                     worker.join()
             latencies = [latency for lists, *_ in results for latency in lists]
             elapsed_s = max(result[2] for result in results) - min(result[1] for result in results)
             calls = len(latencies)
-            report["runs"][str(count)] = {
+            used = {name: sum(after[name]) - sum(before[name]) for name in pids}
+            run = {
                 "calls": calls,
                 "calls_per_s": calls / elapsed_s,
                 **summary(latencies),
-                **{f"{name}_cpu_us_per_call": (after[name] - before[name]) / calls * 1e6 for name in pids},
+                **{f"{name}_cpu_us_per_call": used[name] / calls * 1e6 for name in pids},
                 "agents_cpu_us_per_call": sum(result[3] for result in results) / calls * 1e6,
+                "per_gateway_process_cpu_share": [
+                    (b - a) / elapsed_s for a, b in zip(before["gateways"], after["gateways"], strict=True)
+                ],
+                "machine_busy": shares["busy"],
+                "load_average": load,
+                # how often the gateway processes slept waiting for work, and were preempted, a call
+                "gateway_waits_per_call": sum(voluntary for voluntary, _ in switched) / calls,
+                "gateway_preemptions_per_call": sum(preempted for _, preempted in switched) / calls,
             }
+            run["allowed_calls_per_s"] = allowed(run, count, args.agent_processes)
+            report["runs"][str(count)] = run
     return report
+
+
+def context_switches(pid: int) -> tuple[int, int]:
+    """A process's voluntary (it waited) and involuntary (it was preempted) context switches so far."""
+    counts = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):
+            counts[name] = int(value)
+    return counts.get("voluntary_ctxt_switches", 0), counts.get("nonvoluntary_ctxt_switches", 0)
+
+
+def allowed(run: dict[str, Any], processes: int, agent_processes: int) -> dict[str, float]:
+    """The calls a second the machine allows at a run's CPU costs a call: each process runs on
+    at most one core (the gateway processes together ``processes`` cores' worth, the engine one,
+    the agents ``agent_processes``), and all of them share ``common.CPUS`` cores."""
+    total_us = sum(run[f"{name}_cpu_us_per_call"] for name in ("service", "gateways", "engine", "agents"))
+    bounds = {
+        "cores": common.CPUS / total_us * 1e6,
+        "gateway_processes": processes / run["gateways_cpu_us_per_call"] * 1e6,
+        "engine": 1 / run["engine_cpu_us_per_call"] * 1e6,
+        "agents": agent_processes / run["agents_cpu_us_per_call"] * 1e6,
+    }
+    bounds["at_most"] = min(bounds.values())
+    bounds["cpu_us_per_call"] = total_us
+    return bounds
 
 
 def _wait(url: str, timeout_s: float = 60.0) -> None:
@@ -285,17 +545,256 @@ def _wait(url: str, timeout_s: float = 60.0) -> None:
     raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
 
 
+# -- a gateway process's CPU a call, stage by stage (--breakdown) -------------------------------
+
+#: The stages the chat route is cut down to, in order; "whole" is the route itself.
+STAGES = ("route", "body", "engine", "client", "whole")
+STAGE_NAMES = {
+    "route": "the HTTP server, the guards, the route, a canned answer written",
+    "body": "+ the session found, the body read, parsed and checked",
+    "engine": "+ the engine asked, its answer's bytes passed back",
+    "client": "+ the toolkit's engine client, the answer decoded and encoded",
+    "whole": "the whole call: recorded, the agent's disconnect watched",
+    "streamed": "the whole call, streamed",
+    "journaled": "the whole call, journaled (--data-dir, durability sync)",
+}
+CANNED = orjson.dumps(
+    {
+        "id": "x",
+        "object": "chat.completion",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "Hi."}, "finish_reason": "stop"}
+        ],
+    }
+)
+
+
+def serve_staged_gateway(stage: str, argv: list[str]) -> None:
+    """``rollout-buffer gateway`` (``argv``) with its chat route cut down to ``stage``. The code of
+    the tree it runs in; the previous code's too (its chat route is first in FastAPI's table)."""
+    sys.path.insert(0, str(common.REPO))  # this tree's code, whatever is installed
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from buffer.service import cli, gateway_process
+    from buffer.service.routes import agent_body, sessions
+    from buffer.service.routes.dialects import unless_disconnected
+
+    async def staged(request: Any) -> Any:
+        if stage == "route":
+            return Response(CANNED, media_type="application/json")
+        gateway = request.app.state.gateway
+        key = request.headers.get("authorization")
+        session = gateway.session(request.path_params["session_id"], key, agent=True)
+        if hasattr(agent_body, "read_call"):
+            _, body = await agent_body.read_call(request)
+        else:  # the previous code
+            body = await agent_body.read_call_body(request)
+        if stage == "body":
+            return Response(CANNED, media_type="application/json")
+        upstream = gateway.proxy.upstream_body(body)
+        if stage == "engine":
+            url = session.engine_urls[0].rstrip("/") + "/v1/chat/completions"
+            headers = {"content-type": "application/json"}
+            reply = await gateway.proxy._transport.post(url, orjson.dumps(upstream), headers)
+            return Response(reply.body, media_type="application/json")
+        answer = gateway.proxy.chat(session.engine_urls, upstream, key=session.session_id)
+        return Response(
+            orjson.dumps(await unless_disconnected(request, answer)), media_type="application/json"
+        )
+
+    if stage in ("route", "body", "engine", "client"):
+        if hasattr(gateway_process, "CALLS"):
+            gateway_process.CALLS["chat/completions"] = staged
+        else:  # the previous code
+            sessions.ROUTES[0] = Route("/sessions/{session_id}/v1/chat/completions", staged, methods=["POST"])
+    sys.argv = ["rollout-buffer", "gateway", *argv]
+    cli.main()
+
+
+def run_breakdown(args: argparse.Namespace) -> dict[str, Any]:
+    """One gateway process at each stage (and whole: streamed, journaled), ``--concurrency``
+    agents on the toolkit's HTTP/1.1 transport in this process, the raw engine: the gateway's CPU
+    a call, the median of ``--rounds`` rounds of ``--calls``; then what a session's open, reward
+    and end cost the gateway process and the buffer (``--sessions`` of one call each)."""
+    import subprocess
+
+    stages = [*STAGES, "streamed", "journaled"]
+    report: dict[str, Any] = {"concurrency": args.concurrency, "calls": args.calls, "cpus": common.CPUS}
+    report["stages"] = {}
+    with RawEngine() as engine:
+        for stage in [*stages, "sessions"]:
+            port = common.free_port()
+            gateway_url = f"http://{common.HOST}:{port}"
+            with (
+                common.Server(extra_args=["--gateway-url", gateway_url], group_size=10**6) as buffer,
+                tempfile.TemporaryDirectory() as data,
+            ):
+                argv = ["--buffer-url", buffer.url, "--host", common.HOST, "--port", str(port)]
+                argv += ["--log-level", "warning"]
+                if stage == "journaled":
+                    argv += ["--data-dir", data, "--durability", "sync"]
+                command = [sys.executable, __file__, "--serve-staged-gateway", stage, *argv]
+                process = subprocess.Popen(command, cwd=common.REPO)
+                try:
+                    _wait(f"{gateway_url}/health")
+                    if stage == "sessions":
+                        report["sessions"] = run_in_loop(
+                            session_costs(args, buffer.url, engine.url, process.pid, buffer.pid)
+                        )
+                    else:
+                        rounds = run_in_loop(
+                            staged_calls(args, buffer.url, engine.url, process.pid, stage == "streamed")
+                        )
+                        report["stages"][stage] = {
+                            "cpu_us_per_call": statistics.median(rounds),
+                            "rounds": rounds,
+                            "load_average": os.getloadavg()[0],
+                        }
+                finally:
+                    process.terminate()
+                    process.wait(30)
+    return report
+
+
+async def staged_calls(
+    args: argparse.Namespace, buffer_url: str, engine_url: str, pid: int, stream: bool
+) -> list[float]:
+    from buffer.toolkit.http11 import Http11Transport
+
+    transport = Http11Transport(max_connections=args.concurrency * 2)
+    headers = {"content-type": "application/json"}
+    sessions = []
+    for index in range(args.concurrency):
+        body = {"task_type": "bench", "instance_id": index, "remote_engine_url": engine_url}
+        reply = await transport.post(f"{buffer_url}/sessions", orjson.dumps(body), headers)
+        sessions.append(orjson.loads(reply.body)["data"])
+    request = {
+        "model": "policy",
+        "messages": MESSAGES,
+        "max_tokens": 64,
+        **({"stream": True} if stream else {}),
+    }
+    content = orjson.dumps(request)
+
+    async def calls(session: dict[str, Any], count: int) -> None:
+        sent = {**headers, "authorization": f"Bearer {session['api_key']}"}
+        for _ in range(count):
+            reply = await transport.post(f"{session['base_url']}/chat/completions", content, sent)
+            if reply.status != 200:
+                raise RuntimeError(f"HTTP {reply.status}: {reply.text[:300]}")
+
+    await asyncio.gather(*(calls(session, 20) for session in sessions))
+    per_agent = max(1, args.calls // args.concurrency)
+    rounds = []
+    for _ in range(args.rounds):
+        cpu_s = common.cpu_seconds(pid)
+        await asyncio.gather(*(calls(session, per_agent) for session in sessions))
+        rounds.append((common.cpu_seconds(pid) - cpu_s) / (per_agent * len(sessions)) * 1e6)
+    await transport.aclose()
+    return rounds
+
+
+async def session_costs(
+    args: argparse.Namespace, buffer_url: str, engine_url: str, pid: int, buffer_pid: int
+) -> dict[str, Any]:
+    """``--sessions`` sessions opened at the buffer, each making one call, rewarded, ended (its
+    trajectory written), ``--concurrency`` at a time, phase by phase: each phase's CPU a session,
+    the gateway process's and the buffer's."""
+    from buffer.toolkit.http11 import Http11Transport
+
+    transport = Http11Transport(max_connections=args.concurrency * 2)
+    headers = {"content-type": "application/json"}
+    slots = asyncio.Semaphore(args.concurrency)
+
+    async def post(url: str, body: dict[str, Any], key: str | None = None) -> dict[str, Any]:
+        sent = headers if key is None else {**headers, "authorization": f"Bearer {key}"}
+        async with slots:
+            reply = await transport.post(url, orjson.dumps(body), sent)
+        if reply.status != 200:
+            raise RuntimeError(f"HTTP {reply.status} from {url}: {reply.text[:300]}")
+        answer: dict[str, Any] = orjson.loads(reply.body)
+        return answer
+
+    def opening(index: int) -> Any:
+        body = {"task_type": "bench", "instance_id": f"q{index}", "remote_engine_url": engine_url}
+        return post(f"{buffer_url}/sessions", body)
+
+    await asyncio.gather(*(opening(-1 - index) for index in range(20)))  # warm
+    call = {"model": "policy", "messages": MESSAGES, "max_tokens": 64}
+    phases: dict[str, Callable[[int], Any]] = {
+        "open": opening,
+        "call": lambda i: post(f"{opened[i]['base_url']}/chat/completions", call, opened[i]["api_key"]),
+        "reward": lambda i: post(
+            f"{buffer_url}/sessions/{opened[i]['session_id']}/reward", {"reward": i % 2}
+        ),
+        "end": lambda i: post(f"{buffer_url}/sessions/{opened[i]['session_id']}/end", {}),
+    }
+    costs: dict[str, Any] = {"sessions": args.sessions}
+    opened: list[dict[str, Any]] = []
+    for name, phase in phases.items():
+        gateway_s, buffer_s = common.cpu_seconds(pid), common.cpu_seconds(buffer_pid)
+        answers = await asyncio.gather(*(phase(index) for index in range(args.sessions)))
+        if name == "open":
+            opened = [answer["data"] for answer in answers]
+        costs[name] = {
+            "gateway_cpu_us": (common.cpu_seconds(pid) - gateway_s) / args.sessions * 1e6,
+            "buffer_cpu_us": (common.cpu_seconds(buffer_pid) - buffer_s) / args.sessions * 1e6,
+        }
+    costs["load_average"] = os.getloadavg()[0]
+    await transport.aclose()
+    return costs
+
+
+def print_breakdown(report: dict[str, Any]) -> None:
+    print(f"one gateway process, {report['concurrency']} agents, the raw engine, on {report['cpus']} CPUs")
+    for stage, figures in report["stages"].items():
+        rounds = ", ".join(f"{value:.0f}" for value in figures["rounds"])
+        print(
+            f"{STAGE_NAMES[stage]:>66}: {figures['cpu_us_per_call']:4.0f} us a call ({rounds});"
+            f" load {figures['load_average']:.1f}"
+        )
+    costs = report["sessions"]
+    print(f"a session of one call ({costs['sessions']}): CPU of the gateway process / the buffer")
+    for phase in ("open", "call", "reward", "end"):
+        print(
+            f"{phase:>10}: {costs[phase]['gateway_cpu_us']:5.0f} us / {costs[phase]['buffer_cpu_us']:5.0f} us"
+        )
+    print(f"load {costs['load_average']:.1f}")
+
+
 def print_processes(report: dict[str, Any]) -> None:
-    print(f"{report['concurrency']} agents, on {report['cpus']} CPUs")
-    one = report["runs"].get("1", {}).get("calls_per_s")
+    print(
+        f"{report['concurrency']} agents ({report['agents']} client, {report['agent_processes']} processes),"
+        f" engine {report['engine']}, on {report['cpus']} CPUs{', streamed' if report['stream'] else ''}"
+        + (f", {report['session_calls']} calls a session" if report["session_calls"] else "")
+    )
+    one = report["runs"].get("1")
     for count, run in report["runs"].items():
-        scale = f" ({run['calls_per_s'] / one:.2f}x one)" if one else ""
+        bound = run["allowed_calls_per_s"]
+        scale = allowed_scale = ""
+        if one:
+            scale = f" ({run['calls_per_s'] / one['calls_per_s']:.2f}x one)"
+            allowed_scale = f" ({bound['at_most'] / one['allowed_calls_per_s']['at_most']:.2f}x one)"
         print(
             f"{count} gateway process(es): {run['calls_per_s']:.0f} calls/s{scale},"
             f" median {run['median_ms']:.2f} ms, p99 {run['p99_ms']:.2f} ms; CPU a call:"
             f" service {run['service_cpu_us_per_call']:.0f} us,"
             f" gateways {run['gateways_cpu_us_per_call']:.0f} us,"
-            f" engine {run['engine_cpu_us_per_call']:.0f} us, agents {run['agents_cpu_us_per_call']:.0f} us"
+            f" engine {run['engine_cpu_us_per_call']:.0f} us, agents {run['agents_cpu_us_per_call']:.0f} us;"
+            f" load {run['load_average']:.1f}, machine {run['machine_busy']:.0%} busy"
+        )
+        shares = ", ".join(f"{share:.0%}" for share in run["per_gateway_process_cpu_share"])
+        shares += (
+            f"; a call: {run['gateway_waits_per_call']:.2f} waits for work,"
+            f" {run['gateway_preemptions_per_call']:.2f} preemptions"
+        )
+        print(
+            f"    the cores allow {bound['at_most']:.0f} calls/s{allowed_scale}"
+            f" at {bound['cpu_us_per_call']:.0f} us a call (the {common.CPUS} cores {bound['cores']:.0f},"
+            f" the gateway processes {bound['gateway_processes']:.0f},"
+            f" the engine {bound['engine']:.0f}, the agents {bound['agents']:.0f});"
+            f" each gateway process busy {shares}"
         )
 
 
@@ -322,7 +821,49 @@ def main() -> None:
     parser.add_argument(
         "--agent-processes", type=int, default=2, help="with --processes: processes the agents run in"
     )
+    parser.add_argument(
+        "--engine",
+        choices=["raw", "loopback"],
+        default="raw",
+        help="with --processes: the engine (raw: one answer kept ready, the cheapest; loopback: the "
+        "stand-in)",
+    )
+    parser.add_argument(
+        "--agents",
+        choices=["raw", "aiohttp"],
+        default="raw",
+        help="with --processes: the agents' HTTP client (raw: the toolkit's HTTP/1.1 transport)",
+    )
+    parser.add_argument("--stream", action="store_true", help="with --processes: streamed answers")
+    parser.add_argument(
+        "--session-calls",
+        type=int,
+        default=0,
+        help="with --processes: each session makes this many calls, then is rewarded and ended (written); "
+        "opens and ends counted in the time and CPU (default 0: one session an agent for the whole run)",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="one gateway process's CPU a call stage by stage, and a session's open, reward and end",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="with --breakdown: rounds a stage (the median)")
+    parser.add_argument("--sessions", type=int, default=1000, help="with --breakdown: sessions of one call")
+    sys.path.insert(0, str(common.REPO))  # this tree's code (a worktree's), whatever is installed
+    if sys.argv[1:2] == ["--serve-raw-engine"]:
+        serve_raw_engine(common.HOST, int(sys.argv[2]))
+        return
+    if sys.argv[1:2] == ["--serve-staged-gateway"]:
+        serve_staged_gateway(sys.argv[2], sys.argv[3:])
+        return
     args = parser.parse_args()
+    if args.breakdown:
+        report = run_breakdown(args)
+        if args.json:
+            print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+        else:
+            print_breakdown(report)
+        return
     if args.processes:
         counts = [int(count) for count in args.processes.split(",")]
         report = run_processes(args, counts)

@@ -9,8 +9,15 @@ gateway, for the buffer at ``--buffer-url``:
   restart of it replays them, and loses no acknowledged call);
 - it mirrors the buffer's policy (``buffer.toolkit.remote_policy``): calls wait while the
   trainer updates the weights, and are recorded at the buffer's version;
-- a session's end writes its trajectories to the buffer with the toolkit's ``HttpSink``
-  (``buffer.service.gateway.remote``): uids ``session-<id>[...]``, a retried end counted once.
+- a session's end writes its trajectories to the buffer in one batch
+  (``buffer.service.gateway.remote``): uids ``session-<id>[...]``, a retried end counted once,
+  and answered as the buffer counted it.
+
+A gateway process runs no more than a request needs: the agents' calls go straight from the
+security guards (pure ASGI, as the service's) to their endpoints (``CallRouter``: no routing
+table, exception middleware or framework between), and an answer's head and body leave in one
+write (``_OneWrite``); the rest (opens, rewards, ends, state) are plain Starlette routes
+(``routes.sessions.PLAIN_ROUTES``): it serves no schema, so FastAPI would buy nothing.
 
 A session is pinned to its process by its address (its ``base_url``), so no balancer stands
 between an agent and its calls. ``--processes N`` starts N of them, process ``i`` on port
@@ -34,11 +41,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
-from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from buffer import __version__
 from buffer.core.rollout_buffer import RolloutBuffer
@@ -50,9 +57,8 @@ from buffer.service.gateway.proxy import EngineProxy
 from buffer.service.gateway.remote import RemoteGateway
 from buffer.service.gateway.service import GatewayConfig
 from buffer.service.job_policy import JobPolicy
-from buffer.service.models import invalid_input
 from buffer.service.responses import envelope
-from buffer.service.routes import sessions
+from buffer.service.routes import dialects, sessions
 from buffer.service.security import (
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
@@ -115,15 +121,14 @@ def process_settings(settings: Settings, index: int) -> Settings:
 # -- one gateway process ------------------------------------------------------------------
 
 
-def create_gateway_app(settings: Settings, buffer_url: str) -> FastAPI:
+def create_gateway_app(settings: Settings, buffer_url: str) -> GatewayApp:
     """The gateway's routes, recording for the buffer at ``buffer_url``."""
     buffer_url = buffer_url.rstrip("/")
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         buffer = RolloutBuffer()  # it holds the sessions' events, never a trajectory
         key = required_key(settings)
-        client = httpx.AsyncClient(timeout=60.0, trust_env=False)
         gate = MirroredGate(buffer.policy)
         gateway = RemoteGateway(
             buffer,
@@ -137,7 +142,6 @@ def create_gateway_app(settings: Settings, buffer_url: str) -> FastAPI:
             config=GatewayConfig(require_session_key=key is not None),
             pause_gate=gate,
             buffer_url=buffer_url,
-            client=client,
             api_key=key,
         )
         store = await asyncio.to_thread(_restore, buffer, settings)
@@ -160,22 +164,9 @@ def create_gateway_app(settings: Settings, buffer_url: str) -> FastAPI:
             await gate.aclose()
             await gateway.aclose()
             await gateway.proxy.aclose()
-            await client.aclose()
             if store is not None:
                 await asyncio.to_thread(store.close)
 
-    app = FastAPI(
-        title="rollout-buffer gateway",
-        version=__version__,
-        lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-    )
-    app.router.routes[:0] = sessions.ROUTES
-    app.include_router(sessions.router)
-
-    @app.get("/health")
     async def health(request: Request) -> Response:
         """This process, and the buffer's policy as its mirror has it (``heard``: connected)."""
         gateway: RemoteGateway = request.app.state.gateway
@@ -187,15 +178,71 @@ def create_gateway_app(settings: Settings, buffer_url: str) -> FastAPI:
         data["open_sessions"] = len(gateway.store.sessions)
         return envelope(True, "ok", data)
 
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
-    app.add_middleware(BrowserGuardMiddleware, allowed_origins=settings.allowed_origins)
+    app = Starlette(
+        routes=[Route("/health", health, methods=["GET"]), *sessions.PLAIN_ROUTES],
+        lifespan=lifespan,
+        exception_handlers={RolloutBufferError: _buffer_error},
+    )
+    # The guards outside everything, in the service's order (the key checked first); the calls
+    # are routed inside them, ahead of the routing table.
+    guarded: ASGIApp = BodySizeLimitMiddleware(CallRouter(app), max_bytes=settings.max_request_bytes)
+    guarded = BrowserGuardMiddleware(guarded, allowed_origins=settings.allowed_origins)
     if (hosts := host_rule(settings)) is not None:
-        app.add_middleware(HostGuardMiddleware, rule=hosts)
+        guarded = HostGuardMiddleware(guarded, rule=hosts)
     if (key := required_key(settings)) is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=key)
-    app.add_exception_handler(RolloutBufferError, _buffer_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    return app
+        guarded = ApiKeyMiddleware(guarded, api_key=key)
+    return GatewayApp(app, guarded)
+
+
+class GatewayApp:
+    """The gateway process's ASGI app: ``guarded`` (the guards, the call routes, then ``app``);
+    ``app``, the Starlette app, for its ``state`` and routes."""
+
+    def __init__(self, app: Starlette, guarded: ASGIApp) -> None:
+        self.app = app
+        self.state = app.state
+        self._guarded = guarded
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._guarded(scope, receive, send)
+
+
+#: The agents' calls: a session's root in each dialect, by the path after ``/v1/``.
+CALLS = {
+    "chat/completions": sessions.chat_completions,
+    "messages": dialects.messages,
+    "responses": dialects.create_response,
+    "completions": dialects.create_completion,
+}
+
+
+class CallRouter:
+    """``POST /sessions/{id}/v1/<call>`` straight to its endpoint (``CALLS``), its errors answered
+    as ``app``'s handlers answer them; anything else to ``app``."""
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = None
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith("/sessions/"):
+            session_id, found, call = scope["path"][10:].partition("/v1/")
+            if found and session_id and "/" not in session_id:
+                endpoint = CALLS.get(call)
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+        scope["app"] = self.app
+        scope["path_params"] = {"session_id": session_id}
+        request = Request(scope, receive, send)
+        try:
+            response = await endpoint(request)
+        except RolloutBufferError as exc:
+            response = await _buffer_error(request, exc)
+        except Exception:
+            logger.exception("%s %s failed", scope["method"], scope["path"])
+            response = envelope(False, "internal error: see the gateway's log", status_code=500)
+        await response(scope, receive, send)
 
 
 class MirroredGate:
@@ -275,12 +322,6 @@ async def _buffer_error(request: Request, exc: Exception) -> Response:
     return envelope(False, exc.message, status_code=exc.status_code, headers=exc.headers(), **exc.details())
 
 
-async def _validation_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestValidationError)
-    errors = [{**error, "loc": tuple(error["loc"])[1:]} for error in exc.errors()]
-    return await _buffer_error(request, invalid_input(errors))
-
-
 def serve(settings: Settings, buffer_url: str) -> None:
     """Serve one gateway process until SIGTERM or Ctrl-C."""
     import uvicorn
@@ -314,7 +355,61 @@ def _connection_options(settings: Settings) -> dict[str, Any]:
         settings.header_timeout_seconds,
         settings.max_connections or connections.default_max_connections(),
     )
-    return {"http": connections.guarded_protocol(limits)}
+    guarded = connections.guarded_protocol(limits)
+    return {"http": type("GatewayProtocol", (_OneWriteProtocol, guarded), {})}
+
+
+class _OneWriteProtocol:
+    """uvicorn's protocol with each answer's head held until its body's first bytes, and both
+    written at once: one write, and one wake-up of the agent, where uvicorn makes two."""
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()  # type: ignore[misc]
+        cycle = self.cycle  # type: ignore[attr-defined]
+        if cycle is not None:
+            cycle.transport = _OneWrite(cycle.transport, cycle)
+
+
+class _OneWrite:
+    """A request's transport, as its ``RequestResponseCycle`` writes to it: the response's head
+    (the first write once the response has started) is held, and written with what follows, or
+    on the loop's next turn if nothing follows at once (a stream that waits)."""
+
+    __slots__ = ("_cycle", "_head", "_held", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, cycle: Any) -> None:
+        self._transport = transport
+        self._cycle = cycle
+        self._head = False  # the head has come
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.write(held + data)
+        elif not self._head and self._cycle.response_started:
+            self._head = True
+            self._held = data
+            asyncio.get_running_loop().call_soon(self._flush)
+        else:
+            self._transport.write(data)
+
+    def _flush(self) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 # -- several, supervised -------------------------------------------------------------------

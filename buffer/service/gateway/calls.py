@@ -63,5 +63,21 @@ class Call:
 
     @classmethod
     def from_json(cls, raw: bytes) -> Call:
+        if type(raw) is Encoded:
+            return raw.call
         data = orjson.loads(raw)
         return cls(**data)
+
+    def encoded(self) -> Encoded:
+        """The call's JSON, for the journal, carrying the call itself: the sessions' state takes
+        it as it is (``from_json``), not a decoding of its JSON (a call's dicts are its request's
+        and its answer's, which nothing changes once the call is made)."""
+        record = Encoded(self.to_json())
+        record.call = self
+        return record
+
+
+class Encoded(bytes):
+    """A call's JSON, and the call."""
+
+    call: Call

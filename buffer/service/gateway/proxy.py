@@ -4,7 +4,9 @@ The request goes to the engine as the agent wrote it (tools, images, sampling fi
 extension), with the toolkit's capture fields added (``engines.Dialect.chat_capture``) and
 ``stream: false``; the answer's ids and logprobs are read by the toolkit's reader
 (``engines.chat_tokens``). The HTTP client is the toolkit's ``EngineClient`` on one shared
-aiohttp transport (its engine pool, retries of transport errors, 429 and 5xx).
+transport, the toolkit's own HTTP/1.1 one (``buffer.toolkit.http11``: ``https://`` engines go
+through aiohttp), with its engine pool and retries of transport errors, 429 and 5xx. aiohttp's
+``ClientSession`` cost about 75 us more of the gateway's CPU per call (``bench/gateway.py``).
 
 Streaming. SGLang refuses its token fields with ``stream: true``, and a stream's ids arrive
 split over chunks where an engine sends them at all; so a streamed request is made upstream
@@ -32,10 +34,11 @@ import httpx
 import orjson
 
 from buffer.toolkit.engines import AnswerShapeError, Engine, answer_engine, chat_tokens, dialect
+from buffer.toolkit.http11 import Http11Transport
 from buffer.toolkit.llm import EngineClient, LLMError, RetryPolicy, engine_base_url
 from buffer.toolkit.pool import routing_key
 from buffer.toolkit.tito import TokenClient, TokenRenderer, tokenizer_for
-from buffer.toolkit.transport import AiohttpTransport, HttpxTransport, Transport
+from buffer.toolkit.transport import HttpxTransport, Transport
 from buffer.toolkit.types import Completion, TokenCapture
 
 #: Fields of the answer that only the capture asked for: dropped unless the agent asked too.
@@ -53,7 +56,7 @@ class _Engines(EngineClient):
 
 
 class EngineProxy:
-    """The gateway's client to the engines: one aiohttp transport, and one toolkit client (with
+    """The gateway's client to the engines: one HTTP/1.1 transport, and one toolkit client (with
     its pool, retries and counting) per set of engine URLs that sessions name. A session's calls
     carry its id as the routing key, so they stick to one engine of a pool: its prefix cache."""
 
@@ -67,7 +70,7 @@ class EngineProxy:
         self.engine = engine
         self.dialect = dialect(engine)
         if transport is None:
-            self._transport: Transport = AiohttpTransport()
+            self._transport: Transport = Http11Transport()
         elif isinstance(transport, httpx.AsyncBaseTransport):
             self._transport = HttpxTransport(transport)
         else:

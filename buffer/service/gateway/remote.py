@@ -3,11 +3,13 @@
 A gateway process (``rollout-buffer gateway``, ``buffer.service.gateway_process``) owns the
 sessions opened at it: their events are journaled in its own data folder, so a restart of it
 replays them, as the service's own gateway does. What differs is where a session goes at its
-end: to the main buffer at ``buffer_url``, over HTTP with the toolkit's ``HttpSink`` (retried
-while the buffer is down or busy), and only then is the session closed here. A crash between
-the two leaves the session open; the end retried writes the same uids (``session-<id>[...]``),
-which the main buffer counts once: exactly once. Two ends of one session at once share one
-write. A trajectory the main buffer refuses ends nothing: the end answers why.
+end: to the main buffer at ``buffer_url``, all the session's chains in one ``/buffer/write_batch``
+(retried while the buffer is down or busy), and only then is the session closed here. A crash
+between the two leaves the session open; the end retried writes the same uids
+(``session-<id>[...]``), which the main buffer counts once: exactly once, and the end answers
+what the buffer said (``duplicate: true`` for a replayed end it had counted before). Two ends of
+one session at once share one write. A trajectory the main buffer refuses ends nothing: the end
+answers why.
 
 Calls wait while the main buffer's policy is paused: the process mirrors it
 (``buffer.toolkit.remote_policy``) and its calls are recorded at the mirrored version.
@@ -19,18 +21,23 @@ import asyncio
 import logging
 from typing import Any
 
-import httpx
 import orjson
 
 from buffer.core.writes import WriteResult
 from buffer.errors import InvalidInput, RolloutBufferError
+from buffer.keys import key_or_env
 from buffer.service.gateway.assembly import NothingRecorded, assemble_chains
 from buffer.service.gateway.service import Gateway, SessionUnusable
 from buffer.service.gateway.sessions import Session
 from buffer.service.models import TRAJECTORIES, parse_json
-from buffer.toolkit.sink import HttpSink, RejectedTrajectory, WriteRefused
+from buffer.toolkit.http11 import Http11Transport
+from buffer.toolkit.transport import Reply, Transport, Unreachable
 
 logger = logging.getLogger(__name__)
+
+#: The first wait before a write the main buffer could not take is sent again, doubled each time.
+RETRY_S = 0.5
+MAX_RETRY_S = 30.0
 
 
 class MainBufferRefused(RolloutBufferError):
@@ -42,20 +49,23 @@ class MainBufferRefused(RolloutBufferError):
 class RemoteGateway(Gateway):
     """``Gateway`` whose ends write to the buffer at ``buffer_url`` (``api_key`` for it).
 
-    ``client`` is the HTTP client the writes go through (one per process, kept open)."""
+    The writes go over the toolkit's HTTP/1.1 transport, kept open (``transport`` replaces it:
+    tests, ``HttpxTransport`` on a mock)."""
 
     def __init__(
         self,
         *args: Any,
         buffer_url: str,
-        client: httpx.AsyncClient,
         api_key: str | None = None,
+        transport: Transport | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.buffer_url = buffer_url.rstrip("/")
-        self._client = client
-        self._api_key = api_key
+        self._transport = transport or Http11Transport(max_connections=64, timeout_s=60.0)
+        self._headers = {"content-type": "application/json"}
+        if key := key_or_env(api_key, self.buffer_url):
+            self._headers["authorization"] = f"Bearer {key}"
         self._endings: dict[str, asyncio.Future[WriteResult | None]] = {}
         self._expiring: set[asyncio.Task[Any]] = set()
 
@@ -79,15 +89,15 @@ class RemoteGateway(Gateway):
             ending.exception()  # retrieved: every waiter got it, or none is left to
 
     async def _finish(self, session: Session, call: int | None, discard: bool) -> WriteResult | None:
-        results = None if discard else await self._send(self._trajectories(session, call))
+        results = None if discard else await self._send(*self._trajectories(session, call))
         if self.store.get(session.session_id) is session:  # not closed meanwhile (a timeout)
             self._close(session, results)
         await self.buffer.wait_durable()
         return None if results is None else results[0]
 
-    def _trajectories(self, session: Session, call: int | None) -> list[dict[str, Any]]:
-        """The session's chains as trajectories, validated as the main buffer will (refused here, with
-        the field named, rather than after a round trip)."""
+    def _trajectories(self, session: Session, call: int | None) -> tuple[list[dict[str, Any]], bytes]:
+        """The session's chains as trajectories, and their JSON, validated as the main buffer will
+        (refused here, with the field named, rather than after a round trip)."""
         if session.reward is None:
             raise SessionUnusable(
                 "the session has no reward: POST /sessions/{id}/reward first, or end with one"
@@ -100,24 +110,36 @@ class RemoteGateway(Gateway):
             raise InvalidInput.one("call", str(exc)) from exc
         content = orjson.dumps(trajectories)
         parse_json(TRAJECTORIES, content)
-        return trajectories
+        return trajectories, content
 
-    async def _send(self, trajectories: list[dict[str, Any]]) -> list[WriteResult]:
-        """All the chains in one batch, retried until the main buffer takes it."""
-        sink = HttpSink(
-            self.buffer_url, api_key=self._api_key, batch_size=len(trajectories), client=self._client
-        )
-        try:
-            for trajectory in trajectories:
-                await sink.write(trajectory)
-            await sink.aclose()
-        except RejectedTrajectory as exc:
-            raise SessionUnusable(f"the main buffer refused the session's trajectories: {exc}") from exc
-        except WriteRefused as exc:
-            raise MainBufferRefused(str(exc)) from exc
-        # The main buffer's answer (a duplicate or not) is the sink's: a retried end says it is
-        # one when the session was closed here before (``ended``).
-        return [WriteResult(str(t["uid"]), str(t["task_type"]), False) for t in trajectories]
+    async def _send(self, trajectories: list[dict[str, Any]], content: bytes) -> list[WriteResult]:
+        """All the chains in one batch, sent again until the main buffer takes it (while it cannot
+        be reached, or answers 429 or 5xx); what it wrote, as it answered."""
+        url = f"{self.buffer_url}/buffer/write_batch"
+        wait_s = RETRY_S
+        while True:
+            try:
+                reply = await self._transport.post(url, content, self._headers)
+            except Unreachable as exc:
+                problem, retry_after = repr(exc), None
+            else:
+                status = reply.status
+                if status == 200:
+                    return _written(trajectories, reply)
+                if status in (413, 422):
+                    said = reply.text[:1000]
+                    raise SessionUnusable(
+                        f"the main buffer refused the session's trajectories: HTTP {status}: {said}"
+                    )
+                if status != 429 and status < 500:
+                    raise MainBufferRefused(f"HTTP {status} from {url}: {reply.text[:300]}")
+                problem, retry_after = f"HTTP {status}", reply.retry_after
+            delay_s = max(wait_s, _seconds(retry_after))
+            logger.warning(
+                "writing a session to the main buffer failed (%s); retrying in %.1f s", problem, delay_s
+            )
+            await asyncio.sleep(delay_s)
+            wait_s = min(wait_s * 2, MAX_RETRY_S)
 
     def expire(self) -> int:
         """Time out the idle sessions: each is ended in the background (written when it says
@@ -153,3 +175,20 @@ class RemoteGateway(Gateway):
         for task in list(self._expiring):
             task.cancel()
         await asyncio.gather(*self._expiring, return_exceptions=True)
+        await self._transport.aclose()
+
+
+def _written(trajectories: list[dict[str, Any]], reply: Reply) -> list[WriteResult]:
+    """The main buffer's answer to the batch of ``trajectories``: each one's uid and task, a
+    duplicate when the buffer had them all (a replayed end: the session's chains are written in
+    one write, all or none, so a replay finds all of them or none)."""
+    data = orjson.loads(reply.body).get("data") or {}
+    duplicate = bool(trajectories) and data.get("duplicates") == len(trajectories)
+    return [WriteResult(str(t["uid"]), str(t["task_type"]), duplicate) for t in trajectories]
+
+
+def _seconds(retry_after: str | None) -> float:
+    try:
+        return max(0.0, float(retry_after or 0))
+    except ValueError:
+        return 0.0

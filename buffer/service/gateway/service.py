@@ -250,17 +250,19 @@ class Gateway:
         headers: Mapping[str, str] | None = None,
         role: str | None = None,
         retry_count: int | None = None,
+        raw: bytes | None = None,
     ) -> dict[str, Any]:
         """Forward one chat completion and record it; the engine's answer, once durable.
 
         ``role`` (else the ``x-rollout-role`` header, else the body's ``metadata.role``) names
         the call's chain; ``retry_count`` (else ``x-stainless-retry-count``) of 1 or more makes
         a request with the body of one in flight or recorded an SDK's retry: answered, not
-        recorded again."""
+        recorded again. ``raw``: the request as the agent sent it (an SDK's retry sends the same
+        bytes), whose digest tells a retry; else the body's JSON."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise InvalidInput.one("messages", "must be a non-empty list of messages")
-        return await self._flight(session, body, headers, role, retry_count, self._call)
+        return await self._flight(session, body, headers, role, retry_count, self._call, raw)
 
     async def complete_text(
         self,
@@ -270,6 +272,7 @@ class Gateway:
         headers: Mapping[str, str] | None = None,
         role: str | None = None,
         retry_count: int | None = None,
+        raw: bytes | None = None,
     ) -> dict[str, Any]:
         """Forward one legacy completion (``completions``) and record it, as ``complete`` does a
         chat completion; the engine's answer, once durable."""
@@ -278,7 +281,7 @@ class Gateway:
         def call(session: Session, body: dict[str, Any], role: str | None, digest: str) -> _Answer:
             return self._text_call(session, body, prompt, role, digest)
 
-        return await self._flight(session, body, headers, role, retry_count, call)
+        return await self._flight(session, body, headers, role, retry_count, call, raw)
 
     async def _flight(
         self,
@@ -288,13 +291,14 @@ class Gateway:
         role: str | None,
         retry_count: int | None,
         call: Callable[[Session, dict[str, Any], str | None, str], _Answer],
+        raw: bytes | None = None,
     ) -> dict[str, Any]:
         """The answer of ``call``, made once for a request and the SDK's retries of it."""
         headers = headers or {}
         role = _role(body, headers) if role is None else _checked_role(role, "role")
         if retry_count is None:
             retry_count = _retry_count(headers)
-        digest = hashlib.blake2b(orjson.dumps(body), digest_size=16).hexdigest()
+        digest = hashlib.blake2b(orjson.dumps(body) if raw is None else raw, digest_size=16).hexdigest()
         key = (session.session_id, digest)
         flight = self._flights.get(key) if retry_count > 0 else None
         if flight is None:
@@ -368,7 +372,7 @@ class Gateway:
                 choice=choice,
                 asked=asked,
             )
-            self.buffer.log_event(header, [call.to_json()])
+            self.buffer.log_event(header, [call.encoded()])
         await self.buffer.wait_durable()
         return answer
 
@@ -446,7 +450,7 @@ class Gateway:
                 completion="ids" if text is None else "text",
                 text_end=text_end,
             )
-            self.buffer.log_event(header, [call.to_json()])
+            self.buffer.log_event(header, [call.encoded()])
         await self.buffer.wait_durable()
         return answer
 

@@ -54,9 +54,9 @@ class Session:
     calls: list[Call] = field(default_factory=list)
     reward: Any = None
     #: ``tree.continued`` of each call -> the latest call with it: how a call's parent is found.
-    continuations: dict[bytes, int] = field(default_factory=dict)
+    continuations: dict[int, int] = field(default_factory=dict)
     #: ``tree.continued`` of each call, by index.
-    digests: list[bytes] = field(default_factory=list)
+    digests: list[int] = field(default_factory=list)
     #: The sampling fields every call is sent with (``sampling.pin``); empty: the agent's own.
     sampling: dict[str, Any] = field(default_factory=dict)
     #: The served model's tokenizer: token mode (``tokens``); None: the engine renders (chat mode).
@@ -140,7 +140,7 @@ class SessionStore:
             if call.completion is not None:
                 _index_completion(session, call, len(session.calls))
             else:
-                digest = continued(call, b"" if call.parent is None else session.digests[call.parent])
+                digest = continued(call, 0 if call.parent is None else session.digests[call.parent])
                 session.continuations[digest] = len(session.calls)
                 session.digests.append(digest)
             session.calls.append(call)
@@ -189,7 +189,7 @@ class SessionStore:
 def _index_completion(session: Session, call: Call, index: int) -> None:
     """A legacy completion, found by the ids (and, token mode, the text) a later call extends;
     never by its messages: a chat call does not continue it."""
-    session.digests.append(b"")
+    session.digests.append(0)
     if call.tokens is not None:
         ids = [*call.tokens["prompt_ids"], *call.tokens["output_ids"]]
         session.ends[ids_key(ids)] = index

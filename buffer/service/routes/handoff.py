@@ -12,6 +12,15 @@ timeout, token mode) are filled in here, where the job is known. The process tha
 is remembered from its opening (the last ``OWNERS_KEPT``), else found by asking each in turn (after
 a restart of this service): a process answers 404 for a session it does not have. A process that
 cannot be reached is skipped at an opening, and makes a forward a 503 to retry.
+
+The requests go over the toolkit's HTTP/1.1 transport (``buffer.toolkit.http11``): on httpx,
+handing a session's open, reward and end on cost this service some 1.6 ms of CPU each, more than
+a session's calls cost the gateway process that serves them (``bench/gateway.py``). A session's
+state (``GET``, rare) is read with httpx.
+
+A session this service's own gateway knows (opened here before ``--gateway-url`` was given, and
+restored from the data folder; or ended here and remembered) is not forwarded: its state, reward
+and end are this service's own routes' (``_Forwarded``), as its agent's calls are.
 """
 
 from __future__ import annotations
@@ -26,15 +35,20 @@ import httpx
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Match, Route
+from starlette.types import Scope
 
 from buffer.core.rollout_buffer import RolloutBuffer
 from buffer.errors import InvalidInput, RolloutBufferError
 from buffer.service.gateway.sampling import pinned
+from buffer.toolkit.http11 import Http11Transport
+from buffer.toolkit.transport import Reply, Transport, Unreachable
 
 logger = logging.getLogger(__name__)
 
 OWNERS_KEPT = 100_000
+#: How long a gateway process's answer may take (an end waits for the buffer, which it writes to).
+TIMEOUT_S = 120.0
 #: What ``/start_rollout`` may say for a task's sessions, by the field of ``POST /sessions`` it fills.
 _JOB_FIELDS = {
     "remote_engine_url": "remote_engine_url",
@@ -52,35 +66,44 @@ class NoGatewayProcess(RolloutBufferError):
 
 
 class Handoff:
-    """The gateway processes at ``urls``, asked with this service's ``api_key``."""
+    """The gateway processes at ``urls``, asked with this service's ``api_key``; ``transport``
+    (tests: ``HttpxTransport`` on a mock) replaces the HTTP/1.1 one."""
 
-    def __init__(self, urls: list[str], buffer: RolloutBuffer, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        buffer: RolloutBuffer,
+        api_key: str | None = None,
+        *,
+        transport: Transport | None = None,
+    ) -> None:
         self.urls = [url.rstrip("/") for url in urls]
         self._buffer = buffer
         self._turn = itertools.count()
         self._owners: OrderedDict[str, str] = OrderedDict()
-        headers = {"content-type": "application/json"}
+        self._headers = {"content-type": "application/json"}
         if api_key:
-            headers["authorization"] = f"Bearer {api_key}"
-        self._client = httpx.AsyncClient(headers=headers, timeout=60.0, trust_env=False)
+            self._headers["authorization"] = f"Bearer {api_key}"
+        self._transport = transport or Http11Transport(timeout_s=TIMEOUT_S)
+        self._client: httpx.AsyncClient | None = None  # for the rare GET of a session's state
 
-    async def open(self, body: dict[str, Any]) -> httpx.Response:
+    async def open(self, body: dict[str, Any]) -> Reply:
         """Open the session at the next process that answers; its answer."""
         content = orjson.dumps(self._with_job(body))
         first = next(self._turn)
         for step in range(len(self.urls)):
             url = self.urls[(first + step) % len(self.urls)]
             try:
-                response = await self._client.post(f"{url}/sessions", content=content)
-            except httpx.TransportError as exc:
+                reply = await self._transport.post(f"{url}/sessions", content, self._headers)
+            except Unreachable as exc:
                 logger.warning("gateway process %s cannot be reached (%r): trying the next", url, exc)
                 continue
-            if response.status_code == 200:
-                self._remember(response.json()["data"]["session_id"], url)
-            return response
+            if reply.status == 200:
+                self._remember(orjson.loads(reply.body)["data"]["session_id"], url)
+            return reply
         raise NoGatewayProcess(f"no gateway process answers ({', '.join(self.urls)}); retry")
 
-    async def forward(self, request: Request, path: str) -> httpx.Response:
+    async def forward(self, request: Request, path: str) -> Reply:
         """``request`` sent on to the process that owns its session."""
         session_id = request.path_params["session_id"]
         content = await request.body()
@@ -88,20 +111,31 @@ class Handoff:
         unreachable = []
         for url in [owner] if owner is not None else self.urls:
             try:
-                response = await self._client.request(request.method, f"{url}{path}", content=content or None)
-            except httpx.TransportError:
+                reply = await self._send(request.method, f"{url}{path}", content)
+            except Unreachable:
                 unreachable.append(url)
                 continue
-            if response.status_code == 404 and owner is None:
+            if reply.status == 404 and owner is None:
                 continue  # not this one's
             self._remember(session_id, url)
-            return response
+            return reply
         if unreachable:
             raise NoGatewayProcess(
                 f"the gateway process of session {session_id!r} may be {', '.join(unreachable)}, which "
                 "cannot be reached now; retry"
             )
-        return response
+        return reply
+
+    async def _send(self, method: str, url: str, content: bytes) -> Reply:
+        if method == "POST":
+            return await self._transport.post(url, content or b"{}", self._headers)
+        if self._client is None:
+            self._client = httpx.AsyncClient(headers=self._headers, timeout=TIMEOUT_S, trust_env=False)
+        try:
+            response = await self._client.request(method, url)
+        except httpx.TransportError as exc:
+            raise Unreachable(type(exc).__name__, str(exc), connect=False) from exc
+        return Reply(response.status_code, response.content, response.headers.get("retry-after"))
 
     def _remember(self, session_id: str, url: str) -> None:
         self._owners[session_id] = url
@@ -136,7 +170,9 @@ class Handoff:
         return filled
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._transport.aclose()
+        if self._client is not None:
+            await self._client.aclose()
 
 
 def _handoff(request: Request) -> Handoff:
@@ -144,14 +180,10 @@ def _handoff(request: Request) -> Handoff:
     return handoff
 
 
-def _answer(response: httpx.Response) -> Response:
-    headers = {"Retry-After": response.headers["retry-after"]} if "retry-after" in response.headers else None
-    return Response(
-        response.content,
-        status_code=response.status_code,
-        headers=headers,
-        media_type=response.headers.get("content-type", "application/json"),
-    )
+def _answer(reply: Reply) -> Response:
+    """A gateway process's answer (an envelope: JSON), passed on."""
+    headers = {"Retry-After": reply.retry_after} if reply.retry_after is not None else None
+    return Response(reply.body, status_code=reply.status, headers=headers, media_type="application/json")
 
 
 async def open_session(request: Request) -> Response:
@@ -180,9 +212,27 @@ async def session_end(request: Request) -> Response:
     return _answer(await _handoff(request).forward(request, _session_path(request, "/end")))
 
 
+class _Forwarded(Route):
+    """A route of a session that a gateway process owns: it matches no session this service's own
+    gateway knows (open here, or ended here and remembered), whose request goes on to the
+    service's own route for it."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child = super().matches(scope)
+        if match is Match.NONE:
+            return match, child
+        gateway = getattr(scope["app"].state, "gateway", None)
+        session_id = child["path_params"]["session_id"]
+        if gateway is not None and (
+            gateway.store.get(session_id) is not None or session_id in gateway.store.ended
+        ):
+            return Match.NONE, {}
+        return match, child
+
+
 ROUTES = [
     Route("/sessions", open_session, methods=["POST"]),
-    Route("/sessions/{session_id}", session_state, methods=["GET"]),
-    Route("/sessions/{session_id}/reward", session_reward, methods=["POST"]),
-    Route("/sessions/{session_id}/end", session_end, methods=["POST"]),
+    _Forwarded("/sessions/{session_id}", session_state, methods=["GET"]),
+    _Forwarded("/sessions/{session_id}/reward", session_reward, methods=["POST"]),
+    _Forwarded("/sessions/{session_id}/end", session_end, methods=["POST"]),
 ]

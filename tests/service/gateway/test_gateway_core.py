@@ -35,7 +35,7 @@ def call(messages: list[dict[str, Any]], reply: dict[str, Any], parent: int | No
 
 def test_an_sdk_resending_a_reply_with_its_own_fields_still_continues_it() -> None:
     sent_back = {**REPLY, "tool_calls": [{**CALL, "id": "renumbered"}], "refusal": None, "content": ""}
-    calls = {continued(call([USER], REPLY, None, 10), b""): 0}
+    calls = {continued(call([USER], REPLY, None, 10), 0): 0}
     assert parent_of(calls, [USER, sent_back, {"role": "tool", "content": "5"}]) == (0, 2)
     assert parent_of(calls, [USER]) == (None, 0)  # a retry: a sibling, not a child
     other = {**REPLY, "tool_calls": [{**CALL, "function": {"name": "calculator", "arguments": "{}"}}]}

@@ -150,9 +150,9 @@ def test_sessions_opened_at_the_buffer_run_in_two_gateway_processes_and_are_trai
         opened.append(answer.json()["data"])
     # handed out in turn: two sessions in each process, each answering its own calls
     assert sorted(s["base_url"].split("/sessions/")[0] for s in opened) == sorted(gateways * 2)
-    for session in opened:
+    for index, session in enumerate(opened):  # streamed or not: each answer one write of its process
         with agent(session) as client:
-            assert "5" in calculator_agent(client, "Compute 2 + 3.", stream=False)
+            assert "5" in calculator_agent(client, "Compute 2 + 3.", stream=bool(index % 2))
     for session in opened:  # ended at the buffer: forwarded to the process that owns it
         ended = httpx.post(f"{buffer}/sessions/{session['session_id']}/end", json={"reward": 1.0}).json()
         assert ended["data"]["written"], ended
@@ -193,7 +193,8 @@ def test_an_end_is_written_once_across_restarts_of_the_buffer(services: Services
     services.buffer(buffer_port, *buffer_args)
     ending.join(120)
     assert answers
-    assert answers[0].json()["data"]["written"], answers[0].text
+    first_end = answers[0].json()["data"]
+    assert (first_end["written"], first_end["duplicate"]) == (True, False), answers[0].text
 
     stop(buffer_process := services.buffer(buffer_port, *buffer_args))  # a restart of the buffer
     services.buffer(buffer_port, *buffer_args)
@@ -204,6 +205,7 @@ def test_an_end_is_written_once_across_restarts_of_the_buffer(services: Services
         replay.gateway(gateway_port, buffer_port, "--data-dir", str(services.tmp_path / "gw-before-end"))
         replayed = httpx.post(end, json={}).json()
         assert replayed["data"]["written"], replayed
+        assert replayed["data"]["duplicate"], replayed  # as the buffer answered: counted once
         items = session_items(url(buffer_port), "q1")
         assert [item["uid"] for item in items] == [f"session-{session['session_id']}"]
         (counters,) = httpx.get(f"{url(buffer_port)}/buffer/stats").json()["data"]["data"]
