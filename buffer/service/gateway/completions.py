@@ -28,9 +28,8 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import orjson
-
 from buffer.errors import InvalidInput
+from buffer.service.gateway import streaming
 from buffer.service.gateway.sessions import Session
 from buffer.service.gateway.translation import MAX_STOP
 from buffer.service.gateway.tree import continued_by_text, whole_messages
@@ -170,27 +169,15 @@ def answer_of(replies: Sequence[Reply], model: str, answer_id: str | None = None
 def stream_chunks(answer: Mapping[str, Any], body: Mapping[str, Any]) -> Iterator[bytes]:
     """A whole answer as OpenAI's completions stream: each choice's text (with its logprobs),
     then its finish reason, the usage when ``stream_options.include_usage`` asked, ``[DONE]``."""
-    base = {
-        "id": answer.get("id", "cmpl-gateway"),
-        "object": "text_completion",
-        "created": answer.get("created", 0),
-        "model": answer.get("model", body.get("model", "")),
-    }
+    base = streaming.chunk_base(answer, body, "text_completion", "cmpl-gateway")
     for choice in answer.get("choices") or ():
         index = choice.get("index", 0)
         text = {"index": index, "text": choice.get("text") or "", "logprobs": choice.get("logprobs")}
-        yield _chunk(base, {**text, "finish_reason": None})
-        yield _chunk(
+        yield streaming.chunk(base, {**text, "finish_reason": None})
+        yield streaming.chunk(
             base, {"index": index, "text": "", "logprobs": None, "finish_reason": choice.get("finish_reason")}
         )
-    options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("include_usage") and answer.get("usage") is not None:
-        yield b"data: " + orjson.dumps({**base, "choices": [], "usage": answer["usage"]}) + b"\n\n"
-    yield b"data: [DONE]\n\n"
-
-
-def _chunk(base: Mapping[str, Any], choice: Mapping[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps({**base, "choices": [choice]}) + b"\n\n"
+    yield from streaming.stream_end(base, answer, body)
 
 
 # -- chains --------------------------------------------------------------------------------

@@ -31,8 +31,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx
-import orjson
 
+from buffer.service.gateway import streaming
 from buffer.toolkit.engines import AnswerShapeError, Engine, answer_engine, chat_tokens, dialect
 from buffer.toolkit.http11 import Http11Transport
 from buffer.toolkit.llm import EngineClient, LLMError, RetryPolicy, engine_base_url
@@ -281,12 +281,7 @@ def for_agent(answer: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
 
 def stream_chunks(answer: dict[str, Any], body: dict[str, Any]) -> Iterator[bytes]:
     """A whole answer as the server-sent events of a streamed one."""
-    base = {
-        "id": answer.get("id", "chatcmpl-gateway"),
-        "object": "chat.completion.chunk",
-        "created": answer.get("created", 0),
-        "model": answer.get("model", body.get("model", "")),
-    }
+    base = streaming.chunk_base(answer, body, "chat.completion.chunk", "chatcmpl-gateway")
     for choice in answer.get("choices") or ():
         index = choice.get("index", 0)
         message = choice.get("message") or {}
@@ -305,10 +300,7 @@ def stream_chunks(answer: dict[str, Any], body: dict[str, Any]) -> Iterator[byte
             }
             yield _event(base, index, {"tool_calls": [delta]})
         yield _event(base, index, {}, finish_reason=choice.get("finish_reason") or "stop")
-    options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("include_usage") and answer.get("usage") is not None:
-        yield b"data: " + orjson.dumps({**base, "choices": [], "usage": answer["usage"]}) + b"\n\n"
-    yield b"data: [DONE]\n\n"
+    yield from streaming.stream_end(base, answer, body)
 
 
 def _event(
@@ -320,4 +312,4 @@ def _event(
     logprobs: Any = None,
 ) -> bytes:
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    return b"data: " + orjson.dumps({**base, "choices": [choice]}) + b"\n\n"
+    return streaming.chunk(base, choice)

@@ -24,9 +24,8 @@ from typing import Any
 import orjson
 
 from buffer.core.writes import WriteResult
-from buffer.errors import InvalidInput, RolloutBufferError
+from buffer.errors import RolloutBufferError
 from buffer.keys import key_or_env
-from buffer.service.gateway.assembly import NothingRecorded, assemble_chains
 from buffer.service.gateway.service import Gateway, SessionUnusable
 from buffer.service.gateway.sessions import Session
 from buffer.service.models import TRAJECTORIES, parse_json
@@ -98,16 +97,7 @@ class RemoteGateway(Gateway):
     def _trajectories(self, session: Session, call: int | None) -> tuple[list[dict[str, Any]], bytes]:
         """The session's chains as trajectories, and their JSON, validated as the main buffer will
         (refused here, with the field named, rather than after a round trip)."""
-        if session.reward is None:
-            raise SessionUnusable(
-                "the session has no reward: POST /sessions/{id}/reward first, or end with one"
-            )
-        try:
-            trajectories = assemble_chains(session, session.reward, end=call)
-        except NothingRecorded as exc:
-            raise SessionUnusable(str(exc)) from exc
-        except IndexError as exc:
-            raise InvalidInput.one("call", str(exc)) from exc
+        trajectories = self._chains(session, call)
         content = orjson.dumps(trajectories)
         parse_json(TRAJECTORIES, content)
         return trajectories, content

@@ -32,7 +32,7 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -65,7 +65,6 @@ from buffer.toolkit.tito import TemplateError, TokenizerMissing
 from buffer.toolkit.types import Completion, TokenCapture
 
 logger = logging.getLogger(__name__)
-_Answer = Coroutine[Any, Any, dict[str, Any]]
 
 
 class PauseGate(Protocol):
@@ -247,53 +246,24 @@ class Gateway:
         session: Session,
         body: dict[str, Any],
         *,
+        text: bool = False,
         headers: Mapping[str, str] | None = None,
         role: str | None = None,
         retry_count: int | None = None,
         raw: bytes | None = None,
     ) -> dict[str, Any]:
-        """Forward one chat completion and record it; the engine's answer, once durable.
+        """Forward one chat completion (``text``: a legacy completion, ``/v1/completions``) and
+        record it; the engine's answer, once durable. A request and the SDK's retries of it are
+        answered by one call to the engine.
 
         ``role`` (else the ``x-rollout-role`` header, else the body's ``metadata.role``) names
         the call's chain; ``retry_count`` (else ``x-stainless-retry-count``) of 1 or more makes
         a request with the body of one in flight or recorded an SDK's retry: answered, not
         recorded again. ``raw``: the request as the agent sent it (an SDK's retry sends the same
         bytes), whose digest tells a retry; else the body's JSON."""
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise InvalidInput.one("messages", "must be a non-empty list of messages")
-        return await self._flight(session, body, headers, role, retry_count, self._call, raw)
-
-    async def complete_text(
-        self,
-        session: Session,
-        body: dict[str, Any],
-        *,
-        headers: Mapping[str, str] | None = None,
-        role: str | None = None,
-        retry_count: int | None = None,
-        raw: bytes | None = None,
-    ) -> dict[str, Any]:
-        """Forward one legacy completion (``completions``) and record it, as ``complete`` does a
-        chat completion; the engine's answer, once durable."""
-        prompt = completions.check(body)
-
-        def call(session: Session, body: dict[str, Any], role: str | None, digest: str) -> _Answer:
-            return self._text_call(session, body, prompt, role, digest)
-
-        return await self._flight(session, body, headers, role, retry_count, call, raw)
-
-    async def _flight(
-        self,
-        session: Session,
-        body: dict[str, Any],
-        headers: Mapping[str, str] | None,
-        role: str | None,
-        retry_count: int | None,
-        call: Callable[[Session, dict[str, Any], str | None, str], _Answer],
-        raw: bytes | None = None,
-    ) -> dict[str, Any]:
-        """The answer of ``call``, made once for a request and the SDK's retries of it."""
+        prompt = completions.check(body) if text else None
+        if prompt is None:
+            _check_messages(body)
         headers = headers or {}
         role = _role(body, headers) if role is None else _checked_role(role, "role")
         if retry_count is None:
@@ -304,7 +274,11 @@ class Gateway:
         if flight is None:
             if retry_count > 0 and (answered := _recorded(session, digest, body)) is not None:
                 return answered
-            flight = _Flight(asyncio.ensure_future(call(session, body, role, digest)))
+            if prompt is None:
+                answer = self._call(session, body, role, digest)
+            else:
+                answer = self._text_call(session, body, prompt, role, digest)
+            flight = _Flight(asyncio.ensure_future(answer))
             self._flights[key] = flight
             flight.task.add_done_callback(lambda task: self._landed(key, flight))
         return await self._join(flight)
@@ -351,14 +325,11 @@ class Gateway:
                 session.engine_urls, self.proxy.upstream_body(sent), key=session.session_id
             )
             replies = captures(answer)
-        if self.store.get(session.session_id) is not session:
-            raise UnknownSession(session.session_id)  # ended while the engine answered
         tools = body.get("tools")
         sampling = {k: v for k, v in sent.items() if k not in _NOT_SAMPLING}
-        header = {"e": EVENT_KIND, "op": "call", "id": session.session_id}
         at = self._clock()
-        for choice, (reply, finish_reason, tokens) in enumerate(replies):
-            call = Call(
+        calls = [
+            Call(
                 messages=kept[shared:],
                 tools=tools if isinstance(tools, list) else None,
                 sampling=sampling,
@@ -372,9 +343,20 @@ class Gateway:
                 choice=choice,
                 asked=asked,
             )
+            for choice, (reply, finish_reason, tokens) in enumerate(replies)
+        ]
+        await self._record(session, calls)
+        return answer
+
+    async def _record(self, session: Session, calls: list[Call]) -> None:
+        """An answer's calls (one a choice) logged as the session's, durable before the answer
+        goes back; ``UnknownSession`` where the session ended while the engine answered."""
+        if self.store.get(session.session_id) is not session:
+            raise UnknownSession(session.session_id)
+        header = {"e": EVENT_KIND, "op": "call", "id": session.session_id}
+        for call in calls:
             self.buffer.log_event(header, [call.encoded()])
         await self.buffer.wait_durable()
-        return answer
 
     async def _token_call(
         self, session: Session, sent: dict[str, Any], parent: int | None
@@ -418,8 +400,6 @@ class Gateway:
         upstream = completions.upstream_body(sent, prompt)
         answer = await self.proxy.completions(session.engine_urls, upstream, session.session_id)
         replies = completions.captures(answer)
-        if self.store.get(session.session_id) is not session:
-            raise UnknownSession(session.session_id)  # ended while the engine answered
         prompt_ids = replies[0][2].prompt_ids
         parent = continued_by_ids(session.ends, session.end_lengths, prompt_ids)
         text = body["prompt"] if isinstance(body["prompt"], str) else None
@@ -427,8 +407,8 @@ class Gateway:
             text = body["prompt"][0]
         shown = completions.new_text(session, parent, text, prompt_ids, tokenizer)
         sampling = {k: v for k, v in sent.items() if k not in completions.NOT_SAMPLING}
-        header = {"e": EVENT_KIND, "op": "call", "id": session.session_id}
         at = self._clock()
+        calls = []
         for choice, (reply, finish_reason, tokens) in enumerate(replies):
             text_end = None
             if tokenizer is not None and text is not None:  # what these ids hold, as text
@@ -450,8 +430,8 @@ class Gateway:
                 completion="ids" if text is None else "text",
                 text_end=text_end,
             )
-            self.buffer.log_event(header, [call.encoded()])
-        await self.buffer.wait_durable()
+            calls.append(call)
+        await self._record(session, calls)
         return answer
 
     async def _wait_unpaused(self) -> None:
@@ -493,18 +473,22 @@ class Gateway:
         return self.store.ended.get(session_id)
 
     def _write(self, session: Session, call: int | None) -> list[WriteResult]:
+        checked = parse_json(TRAJECTORIES, orjson.dumps(self._chains(session, call)))
+        return self.buffer.write_many(checked)  # all chains or none
+
+    def _chains(self, session: Session, call: int | None) -> list[dict[str, Any]]:
+        """The session's chains as trajectories, the main chain ending at ``call`` (else at the
+        last call); refused without a reward, with nothing recorded, or with no such call."""
         if session.reward is None:
             raise SessionUnusable(
                 "the session has no reward: POST /sessions/{id}/reward first, or end with one"
             )
         try:
-            trajectories = assemble_chains(session, session.reward, end=call)
+            return assemble_chains(session, session.reward, end=call)
         except NothingRecorded as exc:
             raise SessionUnusable(str(exc)) from exc
         except IndexError as exc:
             raise InvalidInput.one("call", str(exc)) from exc
-        checked = parse_json(TRAJECTORIES, orjson.dumps(trajectories))
-        return self.buffer.write_many(checked)  # all chains or none
 
     def _close(self, session: Session, written: list[WriteResult] | None) -> None:
         """Close the session: ``written`` as those trajectories (the main chain's first), or
@@ -560,6 +544,12 @@ def _on_timeout(value: Any) -> OnTimeout | None:
 #: constrains decoding, so the turn's logprobs are the grammar's (``logprob_kinds.constraint``).
 _NOT_SAMPLING = frozenset({"messages", "tools", "stream", "stream_options", "metadata"})
 _ROLE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def _check_messages(body: dict[str, Any]) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise InvalidInput.one("messages", "must be a non-empty list of messages")
 
 
 def _checked_role(role: Any, field_name: str) -> str:

@@ -9,7 +9,7 @@ sends (``buffer.service.gateway.anthropic``, ``.responses``), go through the sam
 ``Gateway.complete`` (recorded token-exact), and their answer is translated back, streamed as
 the dialect's server-sent events when asked (``event_stream``: the whole answer is there, so its
 events are one body, with no stream machinery). Errors are in the dialect's own shape. A legacy
-completion goes to the engine's own ``/v1/completions`` (``Gateway.complete_text``,
+completion goes to the engine's own ``/v1/completions`` (``Gateway.complete(text=True)``,
 ``buffer.service.gateway.completions``). A call whose agent disconnects is cancelled
 (``unless_disconnected``).
 """
@@ -141,7 +141,7 @@ async def create_completion(request: Request) -> Response:
         headers = call_headers(request)
         session = agent_session(request, gateway, headers)
         raw, body = await read_call(request)
-        call = gateway.complete_text(session, body, headers=headers, raw=raw)
+        call = gateway.complete(session, body, text=True, headers=headers, raw=raw)
         answer = await unless_disconnected(request, call)
     except InvalidInput as exc:
         field = exc.errors[0]["field"] if exc.errors else None

@@ -23,89 +23,31 @@ from buffer.service.gateway.tree import chains
 from buffer.service.routes.sessions import AgentGone, unless_disconnected
 from buffer.simulator.tokenizer import build_tokenizer
 from buffer.trainer.samples.turns import samples_from_turns
-from tests.service.gateway.test_gateway import calculator_agent
 from tests.support.calls import wait_for
+from tests.support.gateway import (
+    TOOLS,
+    HeldEngine,
+    calculator_agent,
+    open_session,
+    proxied_to,
+    sdk,
+    session_trajectories,
+)
 from tests.support.loopback_engine import create_engine_app
 
 pytestmark = pytest.mark.timeout(60)
 ENGINE = "http://engine.test"
 QUESTION = {"role": "user", "content": "Compute 6 * 7."}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
-        },
-    }
-]
-
-
-class Engine(httpx.AsyncBaseTransport):
-    """The loopback engine in-process: every body it was sent, answers held while ``held``."""
-
-    def __init__(self) -> None:
-        self.app = httpx.ASGITransport(create_engine_app())
-        self.bodies: list[dict[str, Any]] = []
-        self.cancelled = 0
-        self.held = False
-        self._release: asyncio.Event | None = None
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        body = httpx.Response(200, content=await request.aread()).json()
-        self.bodies.append(body)
-        if self.held:
-            self._release = self._release or asyncio.Event()
-            try:
-                await self._release.wait()
-            except asyncio.CancelledError:
-                self.cancelled += 1
-                raise
-        return await self.app.handle_async_request(request)
-
-    def release(self) -> None:  # in the app's loop
-        self.held = False
-        if self._release is not None:
-            self._release.set()
 
 
 @pytest.fixture
-def engine() -> Engine:
-    return Engine()
+def engine() -> HeldEngine:
+    return HeldEngine(create_engine_app())
 
 
 @pytest.fixture
-def client(make_client: Any, engine: Engine) -> TestClient:
-    client: TestClient = make_client(group_size=2)
-    client.app.state.gateway.proxy = EngineProxy(engine="vllm", transport=engine)
-    return client
-
-
-def open_session(client: TestClient, instance_id: str = "q1", **extra: Any) -> dict[str, Any]:
-    body = {"task_type": "agent", "instance_id": instance_id, "remote_engine_url": ENGINE, **extra}
-    response = client.post("/sessions", json=body)
-    assert response.status_code == 200, response.text
-    data: dict[str, Any] = response.json()["data"]
-    return data
-
-
-def sdk(client: TestClient, session: dict[str, Any]) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=session["base_url"], api_key=session["api_key"], http_client=client, max_retries=0
-    )
-
-
-def written(client: TestClient, *instance_ids: str) -> dict[str, dict[str, Any]]:
-    """The sessions' trajectories by uid, as the trainer reads them (each group completed by a
-    plain trajectory of reward 0)."""
-    for instance_id in instance_ids:
-        companion = {"instance_id": instance_id, "task_type": "agent", "reward": 0.0}
-        companion["messages"] = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        assert client.post("/buffer/write", json=companion).status_code == 200
-    body = client.post("/get_rollout_data", json={"task_type": "agent"}).json()
-    assert body["success"], body
-    return {item["uid"]: item for item in body["data"]["data"] if str(item["uid"]).startswith("session-")}
+def client(make_client: Any, engine: HeldEngine) -> TestClient:
+    return proxied_to(make_client(group_size=2), "vllm", engine)
 
 
 def solve(agent: openai.OpenAI, **extra: Any) -> None:
@@ -120,7 +62,7 @@ def solve(agent: openai.OpenAI, **extra: Any) -> None:
 
 
 def test_a_planner_and_a_solver_are_two_trajectories_each_in_its_role_s_group(client: TestClient) -> None:
-    session = open_session(client)
+    session = open_session(client, ENGINE)
     agent = sdk(client, session)
     plan = [{"role": "system", "content": "Plan only."}, QUESTION]
     agent.chat.completions.create(model="policy", messages=plan, extra_headers={"x-rollout-role": "planner"})
@@ -135,7 +77,8 @@ def test_a_planner_and_a_solver_are_two_trajectories_each_in_its_role_s_group(cl
     assert again["uids"] == ended["uids"]
     assert again["duplicate"]
 
-    trajectories = written(client, "q1", "q1#planner", "q1#summariser")
+    read = session_trajectories(client, "q1", "q1#planner", "q1#summariser")
+    trajectories = {trajectory["uid"]: trajectory for trajectory in read}
     assert sorted(trajectories) == sorted(ended["uids"])  # each written once
     solver, planned = trajectories[main], trajectories[planner]
     assert (solver["instance_id"], solver["extra_info"]["role"]) == ("q1", "main")
@@ -164,16 +107,16 @@ def test_a_retried_call_is_no_chain_and_each_choice_of_a_request_is_one() -> Non
 
 
 def test_the_session_s_sampling_is_what_the_engine_gets_whatever_the_agent_asks(
-    client: TestClient, engine: Engine
+    client: TestClient, engine: HeldEngine
 ) -> None:
     pins = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 64}
-    session = open_session(client, sampling=pins)
+    session = open_session(client, ENGINE, sampling=pins)
     solve(sdk(client, session), temperature=0.7, top_p=0.9, max_tokens=1000)
     assert [(b["temperature"], b["top_p"], b["top_k"], b["max_tokens"]) for b in engine.bodies] == [
         (1.0, 1.0, -1, 64)
     ] * 2
     client.post(f"/sessions/{session['session_id']}/end", json={"reward": 1.0})
-    (trajectory,) = written(client, "q1").values()
+    (trajectory,) = session_trajectories(client, "q1")
     turn = trajectory["turns"][0]
     assert turn["sampling"]["temperature"] == 1.0
     assert turn["sampling_asked"] == {"temperature": 0.7, "top_p": 0.9, "top_k": None, "max_tokens": 1000}
@@ -183,20 +126,20 @@ def test_the_session_s_sampling_is_what_the_engine_gets_whatever_the_agent_asks(
 def test_a_call_forced_by_tool_choice_alone_is_marked_sampled_under_a_grammar(client: TestClient) -> None:
     """A named tool or "required" constrains decoding: the turn's logprobs are the grammar's,
     never handed to a trainer as the policy's; a free call's are the policy's."""
-    session = open_session(client)
+    session = open_session(client, ENGINE)
     forced = {"type": "function", "function": {"name": TOOLS[0]["function"]["name"]}}
     solve(sdk(client, session), tool_choice=forced)
     client.post(f"/sessions/{session['session_id']}/end", json={"reward": 1.0})
-    (trajectory,) = written(client, "q1").values()
+    (trajectory,) = session_trajectories(client, "q1")
     assert [turn["logprobs"] for turn in trajectory["turns"]] == ["constrained", "constrained"]
 
 
 def test_a_task_pins_the_sampling_of_its_sessions_and_a_bad_pin_is_refused(
-    client: TestClient, engine: Engine
+    client: TestClient, engine: HeldEngine
 ) -> None:
     buffer = client.app.state.services.buffer
     buffer.job_started("agent", "agent_generator", {"session_sampling": '{"temperature": 0.6}'})
-    session = open_session(client)
+    session = open_session(client, ENGINE)
     sdk(client, session).chat.completions.create(model="policy", messages=[QUESTION], temperature=1.3)
     assert engine.bodies[-1]["temperature"] == 0.6
     buffer.job_started("agent", "agent_generator", {"session_sampling": '{"temprature": 0.6}'})
@@ -219,9 +162,9 @@ def test_a_task_pins_the_sampling_of_its_sessions_and_a_bad_pin_is_refused(
 
 
 def test_an_sdk_retry_of_a_recorded_call_is_answered_from_the_record(
-    client: TestClient, engine: Engine
+    client: TestClient, engine: HeldEngine
 ) -> None:
-    session = open_session(client)
+    session = open_session(client, ENGINE)
     url = f"/sessions/{session['session_id']}/v1/chat/completions"
     body = {"model": "policy", "messages": [QUESTION], "tools": TOOLS}
     first = client.post(url, json=body, headers={"x-stainless-retry-count": "0"}).json()
@@ -232,9 +175,9 @@ def test_an_sdk_retry_of_a_recorded_call_is_answered_from_the_record(
 
 
 def test_an_sdk_retry_of_a_call_in_flight_waits_for_it_and_it_is_recorded_once(
-    client: TestClient, engine: Engine
+    client: TestClient, engine: HeldEngine
 ) -> None:
-    session = open_session(client)
+    session = open_session(client, ENGINE)
     url = f"/sessions/{session['session_id']}/v1/chat/completions"
     body = {"model": "policy", "messages": [QUESTION], "tools": TOOLS}
     answers: list[dict[str, Any]] = []
@@ -261,10 +204,10 @@ def test_an_sdk_retry_of_a_call_in_flight_waits_for_it_and_it_is_recorded_once(
     assert client.get(f"/sessions/{session['session_id']}").json()["data"]["calls"] == 1
 
 
-def test_a_call_its_agent_left_is_cancelled_at_the_engine(client: TestClient, engine: Engine) -> None:
+def test_a_call_its_agent_left_is_cancelled_at_the_engine(client: TestClient, engine: HeldEngine) -> None:
     gateway = client.app.state.gateway
     gateway.config = GatewayConfig(retry_grace_s=0.0)
-    session = gateway.session(open_session(client)["session_id"])
+    session = gateway.session(open_session(client, ENGINE)["session_id"])
     engine.held = True
 
     async def start() -> asyncio.Task[dict[str, Any]]:
@@ -337,7 +280,7 @@ def test_a_session_in_token_mode_is_one_sample_per_chain_its_prompts_extended(
     answer = calculator_agent(sdk(client, session), "Compute 3 * (4 + 5).", stream=False)
     assert "27" in answer
     client.post(f"/sessions/{session['session_id']}/end", json={"reward": 1.0})
-    (trajectory,) = written(client, "q1").values()
+    (trajectory,) = session_trajectories(client, "q1")
     first, second = trajectory["turns"]
     assert first["finish_reason"] == "tool_calls"
     assert second["prompt_ids"][: len(first["prompt_ids"]) + len(first["output_ids"])] == (
@@ -380,7 +323,7 @@ def test_token_mode_sends_the_ids_sampled_even_where_they_re_encode_otherwise(
 
     client = make_client(group_size=2)
     client.app.state.gateway.proxy = EngineProxy(engine="sglang", transport=httpx.MockTransport(generate))
-    session = open_session(client, token_mode=True, tokenizer_path=str(tmp_path / "tokenizer"))
+    session = open_session(client, ENGINE, token_mode=True, tokenizer_path=str(tmp_path / "tokenizer"))
     agent = sdk(client, session)
     first = agent.chat.completions.create(model="policy", messages=[QUESTION])
     assert first.choices[0].message.content == reply
@@ -388,5 +331,5 @@ def test_token_mode_sends_the_ids_sampled_even_where_they_re_encode_otherwise(
     agent.chat.completions.create(model="policy", messages=history)
     assert prompts[1][: len(prompts[0]) + len(sampled)] == prompts[0] + sampled
     client.post(f"/sessions/{session['session_id']}/end", json={"reward": 1.0})
-    (trajectory,) = written(client, "q1").values()
+    (trajectory,) = session_trajectories(client, "q1")
     assert len(samples_from_turns(trajectory, 1.0, 1.0)) == 1  # one sample, no branch

@@ -8,66 +8,38 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from buffer.service.gateway.proxy import EngineProxy
 from buffer.service.gateway.service import GatewayConfig
 from buffer.simulator.app import create_sim_app
 from buffer.simulator.config import SimConfig
 from buffer.simulator.tokenizer import build_tokenizer
 from buffer.trainer.samples.turns import samples_from_turns
-from tests.service.gateway.test_chains import open_session, sdk, written
 from tests.support.calls import wait_for
+from tests.support.gateway import HeldEngine, open_session, proxied_to, sdk, session_trajectories
 
 pytestmark = pytest.mark.timeout(60)
+ENGINE = "http://engine.test"
 PROMPT = "Question: What is 2 + 3?\nAnswer:"
 IDS = {"return_token_ids": True}  # the agent asks for the ids too: to compare them with the record
 
 
-class Simulator(httpx.AsyncBaseTransport):
-    """The simulator in-process: every body it was sent, answers held while ``held``."""
-
-    def __init__(self, engine: str, tokenizer_path: str | None = None) -> None:
-        config = SimConfig(
-            engine=engine,  # type: ignore[arg-type]
-            served_model_name="policy",
-            latency_mean_s=0.0,
-            seed=0,
-            accuracy=1.0,
-            tokenizer_path=tokenizer_path,
-        )
-        self.app = create_sim_app(config)
-        self.transport = httpx.ASGITransport(self.app)
-        self.bodies: list[dict[str, Any]] = []
-        self.held = False
-        self.cancelled = 0
-        self._release: asyncio.Event | None = None
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        self.bodies.append(httpx.Response(200, content=await request.aread()).json())
-        if self.held:
-            self._release = self._release or asyncio.Event()
-            try:
-                await self._release.wait()
-            except asyncio.CancelledError:
-                self.cancelled += 1
-                raise
-        return await self.transport.handle_async_request(request)
-
-    def release(self) -> None:  # in the app's loop
-        self.held = False
-        if self._release is not None:
-            self._release.set()
-
-
-def serving(make_client: Any, engine: str, tokenizer_path: str | None = None) -> tuple[TestClient, Simulator]:
-    simulator = Simulator(engine, tokenizer_path)
-    client: TestClient = make_client(group_size=2)
-    client.app.state.gateway.proxy = EngineProxy(engine=engine, transport=simulator)  # type: ignore[arg-type]
-    return client, simulator
+def serving(
+    make_client: Any, engine: str, tokenizer_path: str | None = None
+) -> tuple[TestClient, HeldEngine]:
+    """The service, its gateway sending to the simulator in-process (``engine``'s dialect)."""
+    config = SimConfig(
+        engine=engine,  # type: ignore[arg-type]
+        served_model_name="policy",
+        latency_mean_s=0.0,
+        seed=0,
+        accuracy=1.0,
+        tokenizer_path=tokenizer_path,
+    )
+    simulator = HeldEngine(create_sim_app(config))
+    return proxied_to(make_client(group_size=2), engine, simulator), simulator
 
 
 def end(client: TestClient, session: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +66,7 @@ def test_an_sdk_completions_agent_is_one_chain_trained_on_exactly_what_the_engin
     make_client: Any, engine: str, stream: bool
 ) -> None:
     client, simulator = serving(make_client, engine)
-    session = open_session(client)
+    session = open_session(client, ENGINE)
     agent = sdk(client, session)
     first = agent.completions.create(model="policy", prompt=PROMPT, max_tokens=24, extra_body=IDS)
     choice = first.choices[0]
@@ -115,7 +87,7 @@ def test_an_sdk_completions_agent_is_one_chain_trained_on_exactly_what_the_engin
     assert (sent["return_token_ids"], sent["logprobs"], sent["stream"]) == (True, 0, False)
     assert end(client, session)["uids"] == [f"session-{session['session_id']}"]
 
-    (trajectory,) = written(client, "q1").values()
+    (trajectory,) = session_trajectories(client, "q1")
     first_turn, second_turn = trajectory["turns"]
     assert (first_turn["prompt_ids"], first_turn["output_ids"]) == (prompt_ids, output_ids)
     assert second_turn["prompt_ids"][: len(prompt_ids) + len(output_ids)] == prompt_ids + output_ids
@@ -137,7 +109,7 @@ def test_an_sdk_completions_agent_is_one_chain_trained_on_exactly_what_the_engin
 
 def test_n_2_records_every_choice_each_a_chain_of_its_own(make_client: Any) -> None:
     client, _ = serving(make_client, "vllm")
-    session = open_session(client)
+    session = open_session(client, ENGINE)
     answer = sdk(client, session).completions.create(
         model="policy", prompt=PROMPT, max_tokens=16, n=2, temperature=1.0, logprobs=1
     )
@@ -145,10 +117,10 @@ def test_n_2_records_every_choice_each_a_chain_of_its_own(make_client: Any) -> N
     assert all(c.logprobs is not None and c.logprobs.token_logprobs for c in answer.choices)  # it asked
     uids = end(client, session)["uids"]
     assert uids == [f"session-{session['session_id']}", f"session-{session['session_id']}-chain-1"]
-    trajectories = written(client, "q1", "q1#chain-1")
-    texts = sorted(t["messages"][-1]["content"] for t in trajectories.values())
+    trajectories = session_trajectories(client, "q1", "q1#chain-1")
+    texts = sorted(t["messages"][-1]["content"] for t in trajectories)
     assert texts == sorted(c.text for c in answer.choices)
-    for trajectory in trajectories.values():
+    for trajectory in trajectories:
         (turn,) = trajectory["turns"]
         assert turn["sampling"]["n"] == 2
         (sample,) = samples_from_turns(trajectory, 1.0, 1.0)
@@ -157,7 +129,7 @@ def test_n_2_records_every_choice_each_a_chain_of_its_own(make_client: Any) -> N
 
 def test_an_sdk_retry_is_answered_from_the_record_and_recorded_once(make_client: Any) -> None:
     client, simulator = serving(make_client, "vllm")
-    session = open_session(client)
+    session = open_session(client, ENGINE)
     agent = sdk(client, session)
     first = agent.completions.create(model="policy", prompt=PROMPT, max_tokens=16)
     # what the SDK sends again after a timeout: the same body, its retry counted
@@ -173,12 +145,12 @@ def test_an_sdk_retry_is_answered_from_the_record_and_recorded_once(make_client:
 def test_the_session_s_sampling_is_what_the_engine_gets_and_is_recorded(make_client: Any) -> None:
     client, simulator = serving(make_client, "vllm")
     pins = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8}
-    session = open_session(client, sampling=pins)
+    session = open_session(client, ENGINE, sampling=pins)
     sdk(client, session).completions.create(model="policy", prompt=PROMPT, temperature=0.7, max_tokens=100)
     sent = simulator.bodies[-1]
     assert (sent["temperature"], sent["top_p"], sent["max_tokens"]) == (1.0, 1.0, 8)
     end(client, session)
-    (trajectory,) = written(client, "q1").values()
+    (trajectory,) = session_trajectories(client, "q1")
     (turn,) = trajectory["turns"]
     assert (turn["sampling"]["temperature"], turn["sampling"]["max_tokens"]) == (1.0, 8)
     assert turn["sampling_asked"] == {"temperature": 0.7, "top_p": None, "max_tokens": 100}
@@ -187,7 +159,7 @@ def test_the_session_s_sampling_is_what_the_engine_gets_and_is_recorded(make_cli
 
 def test_what_cannot_be_served_is_refused_naming_the_field(make_client: Any) -> None:
     client, simulator = serving(make_client, "vllm")
-    agent = sdk(client, open_session(client))
+    agent = sdk(client, open_session(client, ENGINE))
     for request, field in (
         ({"prompt": PROMPT, "echo": True}, "echo"),
         ({"prompt": [PROMPT, "Another"]}, "prompt"),
@@ -213,7 +185,7 @@ def test_token_mode_sends_the_ids_it_holds_and_extends_them_by_the_text_the_agen
     path = str(tmp_path / "tokenizer")
     tokenizer.save_pretrained(path)
     client, simulator = serving(make_client, engine, path)
-    session = open_session(client, token_mode=True, tokenizer_path=path)
+    session = open_session(client, ENGINE, token_mode=True, tokenizer_path=path)
     agent = sdk(client, session)
     first = agent.completions.create(model="policy", prompt=PROMPT, max_tokens=12)
     held = simulator.bodies[0]["prompt"]
@@ -222,7 +194,7 @@ def test_token_mode_sends_the_ids_it_holds_and_extends_them_by_the_text_the_agen
     follow_up = PROMPT + first.choices[0].text + "\nQuestion: And 4 * 5?\nAnswer:"
     agent.completions.create(model="policy", prompt=follow_up, max_tokens=12)
     end(client, session)
-    (trajectory,) = written(client, "q1").values()
+    (trajectory,) = session_trajectories(client, "q1")
     first_turn, second_turn = trajectory["turns"]
     first_turn_output = first_turn["output_ids"]
     rest = tokenizer.encode("\nQuestion: And 4 * 5?\nAnswer:", add_special_tokens=False)
@@ -236,11 +208,13 @@ def test_a_completion_its_agent_left_is_cancelled_at_the_engine(make_client: Any
     client, simulator = serving(make_client, "vllm")
     gateway = client.app.state.gateway
     gateway.config = GatewayConfig(retry_grace_s=0.0)
-    session = gateway.session(open_session(client)["session_id"])
+    session = gateway.session(open_session(client, ENGINE)["session_id"])
     simulator.held = True
 
     async def start() -> asyncio.Task[dict[str, Any]]:
-        return asyncio.ensure_future(gateway.complete_text(session, {"model": "policy", "prompt": PROMPT}))
+        return asyncio.ensure_future(
+            gateway.complete(session, {"model": "policy", "prompt": PROMPT}, text=True)
+        )
 
     call = client.portal.call(start)
     try:

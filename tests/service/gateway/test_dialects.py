@@ -6,7 +6,6 @@ tokenizer, with the thinking template: reasoning sent back as thinking blocks an
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,9 +14,15 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from buffer.processes import free_port, started, wait_ready
 from buffer.toolkit import calculate
-from tests.service.gateway.test_gateway import assert_token_faithful, engine_log, open_session, read_all
+from tests.support.gateway import (
+    TOOLS,
+    assert_token_faithful,
+    engine_log,
+    open_session,
+    serving,
+    session_trajectories,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -37,45 +42,15 @@ RESPONSES_TOOLS: list[Any] = [
         "strict": False,
     }
 ]
-CHAT_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
-        },
-    }
-]
-
-
-@pytest.fixture(scope="module")
-def loopback(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "tests.support.loopback_engine",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    with started(command, "engine", tmp_path_factory.mktemp("engine") / "engine.log") as running:
-        wait_ready(f"http://127.0.0.1:{port}/health", running, 60, "the loopback engine")
-        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
 def thinking_simulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The simulator with the thinking (Qwen3-style) template: it reasons in <think> first."""
-    port = free_port()
-    command = [sys.executable, "-m", "buffer.simulator", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--chat-template", "thinking", "--served-model-name", "policy", "--accuracy", "1.0"]
-    command += ["--latency-mean-s", "0.01", "--seed", "0", "--log-level", "warning"]
-    with started(command, "simulator", tmp_path_factory.mktemp("sim") / "sim.log") as running:
-        wait_ready(f"http://127.0.0.1:{port}/health", running, 60, "the simulator")
-        yield f"http://127.0.0.1:{port}"
+    args = ["-m", "buffer.simulator", "--chat-template", "thinking", "--served-model-name", "policy"]
+    args += ["--accuracy", "1.0", "--latency-mean-s", "0.01", "--seed", "0", "--log-level", "warning"]
+    with serving(tmp_path_factory, "sim", *args) as url:
+        yield url
 
 
 # -- the agents: nothing in them knows about the gateway ---------------------------------------
@@ -185,10 +160,10 @@ def test_an_anthropic_sdk_agent_is_trained_on_exactly_what_the_engine_saw(
         "written"
     ]
 
-    (trajectory,) = read_all(client)
+    (trajectory,) = session_trajectories(client)
     calls = engine_log(loopback)[before:]
     assert len(calls) == 2
-    assert trajectory["tools"] == CHAT_TOOLS
+    assert trajectory["tools"] == TOOLS
     assert [m["role"] for m in trajectory["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
     assert trajectory["turns"][0]["finish_reason"] == "tool_calls"
     assert trajectory["turns"][0]["sampling"]["max_tokens"] == 1024
@@ -210,7 +185,7 @@ def test_an_openai_responses_agent_is_trained_on_exactly_what_the_engine_saw(
     assert made[0].usage.input_tokens == len(engine_log(loopback)[before]["prompt_ids"])
     client.post(f"/sessions/{session['session_id']}/end", json={"reward": 1.0})
 
-    (trajectory,) = read_all(client)
+    (trajectory,) = session_trajectories(client)
     calls = engine_log(loopback)[before:]
     assert len(calls) == 2
     assert [m["role"] for m in trajectory["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
@@ -235,7 +210,7 @@ def test_an_anthropic_sdk_agent_with_thinking_streams_and_is_trained_token_exact
     assert first[0].signature
     client.post(f"/sessions/{session['session_id']}/end", json={"reward": 1.0})
 
-    (trajectory,) = read_all(client)
+    (trajectory,) = session_trajectories(client)
     assert len(trajectory["turns"]) == 2
     assert trajectory["extra_info"]["gateway"]["parents"] == [None, 0]
     reply = trajectory["messages"][2]
@@ -256,7 +231,7 @@ def test_an_openai_responses_agent_with_reasoning_is_trained_token_exact(
     assert [item.type for item in made[0].output] == ["reasoning", "function_call"]
     client.post(f"/sessions/{session['session_id']}/end", json={"reward": 1.0})
 
-    (trajectory,) = read_all(client)
+    (trajectory,) = session_trajectories(client)
     assert len(trajectory["turns"]) == 2
     assert trajectory["extra_info"]["gateway"]["parents"] == [None, 0]
     assert_token_faithful(trajectory, turns_as_calls(trajectory))

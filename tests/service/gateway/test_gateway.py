@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,149 +20,38 @@ from buffer.processes import free_port, started, wait_ready
 from buffer.service.app import create_app
 from buffer.service.gateway.service import GatewayConfig
 from buffer.service.settings import Settings
-from buffer.toolkit import calculate
 from buffer.trainer.samples.turns import samples_from_turns
-from tests.support.sdk import streamed_message
+from tests.support.gateway import (
+    TOOLS,
+    assert_token_faithful,
+    calculator_agent,
+    engine_log,
+    open_session,
+    sdk,
+    session_trajectories,
+    turns_as_calls,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
-        },
-    }
-]
 IMAGE_TOKEN = 300
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "tests.support.loopback_engine",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    with started(command, "engine", tmp_path_factory.mktemp("engine") / "engine.log") as running:
-        wait_ready(f"http://127.0.0.1:{port}/health", running, 60, "the loopback engine")
-        yield f"http://127.0.0.1:{port}"
-
-
-def engine_log(engine: str) -> list[dict[str, Any]]:
-    log: list[dict[str, Any]] = httpx.get(f"{engine}/log").json()
-    return log
-
-
-def calculator_agent(client: openai.OpenAI, question: str, *, stream: bool) -> str:
-    """An ordinary OpenAI-SDK tool-calling loop; nothing in it knows about the gateway. Streamed,
-    it streams from the gateway, which asks the engine without streaming: the stand-in refuses
-    token ids with streaming, as SGLang does."""
-    messages: list[Any] = [
-        {"role": "system", "content": "Use the calculator."},
-        {"role": "user", "content": question},
-    ]
-    for _ in range(4):
-        if stream:
-            message, tool_calls = streamed_message(
-                client.chat.completions.create(
-                    model="policy", messages=messages, tools=TOOLS, stream=True, temperature=0.7
-                )
-            )
-            messages.append(message)
-            content = message["content"] or ""
-        else:
-            reply = (
-                client.chat.completions.create(
-                    model="policy", messages=messages, tools=TOOLS, temperature=0.7
-                )
-                .choices[0]
-                .message
-            )
-            messages.append(reply)  # the SDK's own message object, as agents do
-            content = reply.content or ""
-            tool_calls = [call.model_dump() for call in reply.tool_calls or ()]
-        if not tool_calls:
-            return content
-        for call in tool_calls:
-            expression = json.loads(call["function"]["arguments"])["expression"]
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": calculate(expression)})
-    return content
-
-
-def open_session(client: TestClient, engine: str, instance_id: str = "q1", **extra: Any) -> dict[str, Any]:
-    body = {"task_type": "agent", "instance_id": instance_id, "remote_engine_url": engine, **extra}
-    response = client.post("/sessions", json=body)
-    assert response.status_code == 200, response.text
-    data: dict[str, Any] = response.json()["data"]
-    return data
-
-
-def sdk(client: TestClient, session: dict[str, Any]) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=session["base_url"], api_key=session["api_key"], http_client=client, max_retries=0
-    )
-
-
-def read_all(client: TestClient, *instance_ids: str) -> list[dict[str, Any]]:
-    """The sessions' trajectories as the trainer reads them: each in a group of two, with a
-    plain trajectory of reward 0 beside it (the default pipeline keeps groups whose rewards differ)."""
-    for instance_id in instance_ids or ("q1",):
-        companion = {"instance_id": instance_id, "task_type": "agent", "reward": 0.0}
-        companion["messages"] = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        assert client.post("/buffer/write", json=companion).status_code == 200
-    body = client.post("/get_rollout_data", json={"task_type": "agent"}).json()
-    assert body["success"], body
-    items: list[dict[str, Any]] = body["data"]["data"]
-    return [item for item in items if str(item["uid"]).startswith("session-")]
-
-
-def assert_token_faithful(trajectory: dict[str, Any], calls: list[dict[str, Any]]) -> None:
-    """The trained sample is the engine's prompts and samples, masked and logprobbed exactly."""
-    (sample,) = samples_from_turns(trajectory, 1.0, 1.0)
-    prompt_length = len(calls[0]["prompt_ids"])
-    assert sample.tokens[:prompt_length] == calls[0]["prompt_ids"]
-    expected_mask: list[int] = []
-    expected_logprobs: list[float] = []
-    held = calls[0]["prompt_ids"]
-    for call in calls:
-        assert call["prompt_ids"][: len(held)] == held  # the stand-in's prompts extend
-        new = call["prompt_ids"][len(held) :]
-        expected_mask += [0] * len(new) + [1] * len(call["output_ids"])
-        expected_logprobs += [0.0] * len(new) + call["logprobs"]
-        held = call["prompt_ids"] + call["output_ids"]
-    assert sample.tokens == held
-    assert sample.loss_mask == expected_mask
-    if all(turn.get("logprobs") == "sampling" for turn in trajectory["turns"]):
-        assert sample.rollout_log_probs == expected_logprobs
-    else:  # not known to be the sampling distribution's (the agent's temperature, fields it left unset)
-        assert sample.rollout_log_probs is None
-        assert sample.log_probs_withheld
-    assert sample.response_length == len(expected_mask)
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_unmodified_sdk_agent_is_trained_on_exactly_what_the_engine_saw(
-    make_client: Any, engine: str, stream: bool
+    make_client: Any, loopback: str, stream: bool
 ) -> None:
     client = make_client(group_size=2)
-    before = len(engine_log(engine))
-    session = open_session(client, engine)
+    before = len(engine_log(loopback))
+    session = open_session(client, loopback)
     assert session["base_url"].endswith(f"/sessions/{session['session_id']}/v1")
     answer = calculator_agent(sdk(client, session), "Compute 3 * (4 + 5).", stream=stream)
     assert answer == "The answer is 27."
     ended = client.post(f"/sessions/{session['session_id']}/end", json={"reward": 1.0})
     assert ended.json()["data"]["written"] is True
 
-    (trajectory,) = read_all(client)
-    calls = engine_log(engine)[before:]
+    (trajectory,) = session_trajectories(client)
+    calls = engine_log(loopback)[before:]
     assert len(calls) == 2
     assert len(trajectory["turns"]) == 2
     assert trajectory["tools"] == TOOLS
@@ -178,12 +65,12 @@ def test_an_unmodified_sdk_agent_is_trained_on_exactly_what_the_engine_saw(
 
 
 def test_a_restart_mid_session_loses_no_acknowledged_call(
-    tmp_path: Path, generator_dir: Path, engine: str
+    tmp_path: Path, generator_dir: Path, loopback: str
 ) -> None:
     settings = Settings(generator_dir=generator_dir, port=8889, group_size=2, data_dir=tmp_path / "data")
-    before = len(engine_log(engine))
+    before = len(engine_log(loopback))
     with TestClient(create_app(settings)) as client:
-        session = open_session(client, engine)
+        session = open_session(client, loopback)
         first = sdk(client, session).chat.completions.create(
             model="policy", messages=[{"role": "user", "content": "Compute 2 + 3."}], tools=TOOLS
         )
@@ -199,22 +86,22 @@ def test_a_restart_mid_session_loses_no_acknowledged_call(
         ]
         sdk(client, session).chat.completions.create(model="policy", messages=history, tools=TOOLS)
         assert client.post(f"/sessions/{session['session_id']}/end").json()["data"]["written"]
-        (trajectory,) = read_all(client)
+        (trajectory,) = session_trajectories(client)
     assert trajectory["raw_reward"] == 0.25
     assert trajectory["extra_info"]["gateway"]["parents"] == [None, 0]
-    assert_token_faithful(trajectory, engine_log(engine)[before:])
+    assert_token_faithful(trajectory, engine_log(loopback)[before:])
 
 
 def test_a_retried_call_makes_a_tree_and_the_path_that_ended_is_trained(
-    make_client: Any, engine: str
+    make_client: Any, loopback: str
 ) -> None:
     client = make_client(group_size=2)
-    session = open_session(client, engine)
+    session = open_session(client, loopback)
     agent = sdk(client, session)
     question = [{"role": "user", "content": "Compute 6 * 7."}]
     agent.chat.completions.create(model="policy", messages=question, tools=TOOLS)  # abandoned
     retried = agent.chat.completions.create(model="policy", messages=question, tools=TOOLS)
-    before = len(engine_log(engine)) - 1
+    before = len(engine_log(loopback)) - 1
     call = retried.choices[0].message.tool_calls[0]
     history = [
         *question,
@@ -225,33 +112,33 @@ def test_a_retried_call_makes_a_tree_and_the_path_that_ended_is_trained(
     recorded = client.app.state.gateway.store.sessions[session["session_id"]].calls
     assert recorded[2].messages == history[2:]  # each message is kept once, not once per call
     client.post(f"/sessions/{session['session_id']}/end", json={"reward": 1.0})
-    (trajectory,) = read_all(client)
+    (trajectory,) = session_trajectories(client)
     gateway = trajectory["extra_info"]["gateway"]
     assert gateway["parents"] == [None, None, 1]
     assert gateway["path"] == [1, 2]
-    assert_token_faithful(trajectory, engine_log(engine)[before:])
+    assert_token_faithful(trajectory, engine_log(loopback)[before:])
 
 
 def test_an_image_prompt_reaches_the_trainer_with_its_image(
-    make_client: Any, tmp_path: Path, engine: str
+    make_client: Any, tmp_path: Path, loopback: str
 ) -> None:
     client = make_client(group_size=2, data_dir=tmp_path / "data")
     small = "data:image/png;base64," + base64.b64encode(b"\x89PNG small").decode()
     large_bytes = b"\x89PNG" + bytes(range(256)) * 400  # past the inline limit: kept by reference
     large = "data:image/png;base64," + base64.b64encode(large_bytes).decode()
-    session = open_session(client, engine)
+    session = open_session(client, loopback)
     content = [
         {"type": "text", "text": "What do you see?"},
         {"type": "image_url", "image_url": {"url": small}},
         {"type": "image_url", "image_url": {"url": large}},
     ]
-    before = len(engine_log(engine))
+    before = len(engine_log(loopback))
     answer = sdk(client, session).chat.completions.create(
         model="policy", messages=[{"role": "user", "content": content}]
     )
     assert answer.choices[0].message.content == "I see 2 image(s)."
     client.post(f"/sessions/{session['session_id']}/end", json={"reward": 1.0})
-    (trajectory,) = read_all(client)
+    (trajectory,) = session_trajectories(client)
     (sample,) = samples_from_turns(trajectory, 1.0, 1.0)
     assert sample.multimodal_inputs is not None
     inline, reference = sample.multimodal_inputs["images"]
@@ -260,7 +147,7 @@ def test_an_image_prompt_reaches_the_trainer_with_its_image(
     served = client.get("/images/" + reference.rsplit("/", 1)[1])
     assert served.content == large_bytes
     assert served.headers["content-type"] == "image/png"
-    (call,) = engine_log(engine)[before:]
+    (call,) = engine_log(loopback)[before:]
     assert sample.tokens[: len(call["prompt_ids"])] == call["prompt_ids"]
     image_positions = [i for i, token in enumerate(sample.tokens) if token == IMAGE_TOKEN]
     assert len(image_positions) == 8  # both images reached the engine
@@ -268,7 +155,7 @@ def test_an_image_prompt_reaches_the_trainer_with_its_image(
     assert all(p < response_start or sample.loss_mask[p - response_start] == 0 for p in image_positions)
 
 
-def test_a_paused_generation_answers_503_with_retry_after(make_client: Any, engine: str) -> None:
+def test_a_paused_generation_answers_503_with_retry_after(make_client: Any, loopback: str) -> None:
     class Paused:
         def is_paused(self) -> bool:
             return True
@@ -280,7 +167,7 @@ def test_a_paused_generation_answers_503_with_retry_after(make_client: Any, engi
     gateway = client.app.state.gateway
     gateway.pause_gate = Paused()
     gateway.config = GatewayConfig(pause_wait_s=0.0, retry_after_s=7)
-    session = open_session(client, engine)
+    session = open_session(client, loopback)
     response = client.post(
         f"/sessions/{session['session_id']}/v1/chat/completions",
         json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]},
@@ -290,10 +177,10 @@ def test_a_paused_generation_answers_503_with_retry_after(make_client: Any, engi
     assert client.get(f"/sessions/{session['session_id']}").json()["data"]["calls"] == 0
 
 
-def test_the_trainer_s_pause_holds_the_agents_calls_until_it_resumes(make_client: Any, engine: str) -> None:
+def test_the_trainer_s_pause_holds_the_agents_calls_until_it_resumes(make_client: Any, loopback: str) -> None:
     client = make_client(group_size=2)
     client.app.state.gateway.config = GatewayConfig(pause_wait_s=0.2, retry_after_s=3)
-    session = open_session(client, engine)
+    session = open_session(client, loopback)
     call = f"/sessions/{session['session_id']}/v1/chat/completions"
     body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
     assert client.post("/policy/pause", json={"mode": "drain"}).status_code == 200
@@ -304,11 +191,11 @@ def test_the_trainer_s_pause_holds_the_agents_calls_until_it_resumes(make_client
     assert client.post(call, json=body).status_code == 200
 
 
-def test_a_session_never_ended_times_out_as_its_task_says(make_client: Any, engine: str) -> None:
+def test_a_session_never_ended_times_out_as_its_task_says(make_client: Any, loopback: str) -> None:
     client = make_client(group_size=2)
     gateway = client.app.state.gateway
-    kept = open_session(client, engine, "kept", timeout_s=60, on_timeout="write")
-    dropped = open_session(client, engine, "dropped", timeout_s=60, on_timeout="discard")
+    kept = open_session(client, loopback, "kept", timeout_s=60, on_timeout="write")
+    dropped = open_session(client, loopback, "dropped", timeout_s=60, on_timeout="discard")
     for session in (kept, dropped):
         sdk(client, session).chat.completions.create(
             model="policy", messages=[{"role": "user", "content": "hi"}]
@@ -325,14 +212,14 @@ def test_a_session_never_ended_times_out_as_its_task_says(make_client: Any, engi
         "open": [],
         "closed": {"written": 1, "discarded": 1},
     }
-    (trajectory,) = read_all(client, "kept")
+    (trajectory,) = session_trajectories(client, "kept")
     assert trajectory["instance_id"] == "kept"
     assert gateway.store.closed == {"written": 1, "discarded": 1}
 
 
-def test_the_engine_refusal_reaches_the_agent_with_its_status(make_client: Any, engine: str) -> None:
+def test_the_engine_refusal_reaches_the_agent_with_its_status(make_client: Any, loopback: str) -> None:
     client = make_client(group_size=2)
-    session = open_session(client, engine)
+    session = open_session(client, loopback)
     with pytest.raises(openai.NotFoundError, match="The model `missing` does not exist"):
         sdk(client, session).chat.completions.create(
             model="missing", messages=[{"role": "user", "content": "hi"}]
@@ -340,10 +227,10 @@ def test_the_engine_refusal_reaches_the_agent_with_its_status(make_client: Any, 
     assert client.get(f"/sessions/{session['session_id']}").json()["data"]["calls"] == 0
 
 
-def test_with_an_api_key_the_agent_needs_its_session_key(make_client: Any, engine: str) -> None:
+def test_with_an_api_key_the_agent_needs_its_session_key(make_client: Any, loopback: str) -> None:
     client = make_client(group_size=2, api_key="service-key")
     service = {"authorization": "Bearer service-key"}
-    body = {"task_type": "agent", "instance_id": "q", "remote_engine_url": engine}
+    body = {"task_type": "agent", "instance_id": "q", "remote_engine_url": loopback}
     assert client.post("/sessions", json=body).status_code == 401
     session = client.post("/sessions", json=body, headers=service).json()["data"]
     url = f"/sessions/{session['session_id']}/v1/chat/completions"
@@ -372,13 +259,13 @@ def test_a_session_names_an_engine_or_its_task_has_one(make_client: Any) -> None
 
 @pytest.mark.e2e
 def test_the_example_generator_trains_an_unmodified_sdk_agent_through_the_gateway(
-    process: Any, engine: str
+    process: Any, loopback: str
 ) -> None:
     buffer_url = process("buffer.py", "--log-level", "warning", name="buffer")
     with httpx.Client(base_url=buffer_url, timeout=30, trust_env=False) as client:
         job = client.post(
             "/start_rollout",
-            json={"task_type": "openai_agent", "remote_engine_url": engine, "num_repeat_per_sample": 2},
+            json={"task_type": "openai_agent", "remote_engine_url": loopback, "num_repeat_per_sample": 2},
         ).json()
         deadline = time.monotonic() + 60
         while (done := client.get(f"/jobs/{job['job_id']}").json()["data"])["status"] == "running":
@@ -390,7 +277,7 @@ def test_the_example_generator_trains_an_unmodified_sdk_agent_through_the_gatewa
 
 
 @pytest.mark.e2e
-def test_the_example_generator_writes_to_the_rollout_name_it_runs_under(process: Any, engine: str) -> None:
+def test_the_example_generator_writes_to_the_rollout_name_it_runs_under(process: Any, loopback: str) -> None:
     """A job started with a ``rollout_name`` writes to that task (its group size, its reads), never
     to the generator's own TASK_TYPE, which nothing configured."""
     buffer_url = process("buffer.py", "--log-level", "warning", name="buffer")
@@ -400,7 +287,7 @@ def test_the_example_generator_writes_to_the_rollout_name_it_runs_under(process:
             json={
                 "task_type": "openai_agent",
                 "rollout_name": "agent-eval",
-                "remote_engine_url": engine,
+                "remote_engine_url": loopback,
                 "num_repeat_per_sample": 2,
             },
         ).json()
@@ -415,7 +302,7 @@ def test_the_example_generator_writes_to_the_rollout_name_it_runs_under(process:
     assert tasks.get("openai_agent", {}).get("total_written", 0) == 0
 
 
-def test_a_paused_generation_is_waited_out_when_it_resumes_in_time(make_client: Any, engine: str) -> None:
+def test_a_paused_generation_is_waited_out_when_it_resumes_in_time(make_client: Any, loopback: str) -> None:
     class Resuming:
         def __init__(self) -> None:
             self.waited: list[float] = []
@@ -430,7 +317,7 @@ def test_a_paused_generation_is_waited_out_when_it_resumes_in_time(make_client: 
     client = make_client(group_size=2)
     gate = Resuming()
     client.app.state.gateway.pause_gate = gate
-    session = open_session(client, engine)
+    session = open_session(client, loopback)
     answer = sdk(client, session).chat.completions.create(
         model="policy", messages=[{"role": "user", "content": "hi"}]
     )
@@ -441,7 +328,7 @@ def test_a_paused_generation_is_waited_out_when_it_resumes_in_time(make_client: 
 
 @pytest.mark.e2e
 def test_a_killed_service_comes_back_with_every_answered_call(
-    tmp_path: Path, generator_dir: Path, engine: str
+    tmp_path: Path, generator_dir: Path, loopback: str
 ) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -463,12 +350,12 @@ def test_a_killed_service_comes_back_with_every_answered_call(
         "--generator-dir",
         str(generator_dir),
     ]
-    before = len(engine_log(engine))
+    before = len(engine_log(loopback))
     with contextlib.ExitStack() as stack:
         running = stack.enter_context(started(command, "buffer", tmp_path / "buffer.log"))
         wait_ready(f"{url}/health", running, 60, "the buffer")
         session = httpx.post(
-            f"{url}/sessions", json={"task_type": "agent", "instance_id": "q1", "remote_engine_url": engine}
+            f"{url}/sessions", json={"task_type": "agent", "instance_id": "q1", "remote_engine_url": loopback}
         ).json()["data"]
         agent = stack.enter_context(
             openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
@@ -494,13 +381,13 @@ def test_a_killed_service_comes_back_with_every_answered_call(
         items = httpx.post(f"{url}/get_rollout_data", json={"task_type": "agent"}).json()["data"]["data"]
     (trajectory,) = [item for item in items if str(item["uid"]).startswith("session-")]
     assert trajectory["extra_info"]["gateway"]["parents"] == [None, 0]
-    assert_token_faithful(trajectory, engine_log(engine)[before:])
+    assert_token_faithful(trajectory, engine_log(loopback)[before:])
 
 
-def test_a_session_takes_its_engine_and_timeout_from_its_task(make_client: Any, engine: str) -> None:
+def test_a_session_takes_its_engine_and_timeout_from_its_task(make_client: Any, loopback: str) -> None:
     client = make_client(group_size=2)
     gateway = client.app.state.gateway
-    task = {"remote_engine_url": engine, "session_timeout_s": "5", "session_on_timeout": "write"}
+    task = {"remote_engine_url": loopback, "session_timeout_s": "5", "session_on_timeout": "write"}
     client.app.state.services.buffer.job_started("agent", "agent_generator", task)  # as /start_rollout does
     session = client.post("/sessions", json={"task_type": "agent", "instance_id": "q1"}).json()["data"]
     sdk(client, session).chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
@@ -510,7 +397,7 @@ def test_a_session_takes_its_engine_and_timeout_from_its_task(make_client: Any, 
     assert gateway.expire() == 0
     gateway._clock = lambda: clock() + 6
     assert gateway.expire() == 1
-    (trajectory,) = read_all(client)
+    (trajectory,) = session_trajectories(client)
     assert trajectory["messages"][-1]["content"] == "Hello."
 
 
@@ -537,19 +424,16 @@ def test_an_sdk_agent_through_the_gateway_against_the_simulator(
     answer = calculator_agent(sdk(client, session), "Compute 3 * (4 + 5).", stream=True)
     assert "27" in answer
     client.post(f"/sessions/{session['session_id']}/end", json={"reward": 1.0})
-    (trajectory,) = read_all(client)
+    (trajectory,) = session_trajectories(client)
     turns = trajectory["turns"]
     assert len(turns) == 2
     assert turns[0]["finish_reason"] == "tool_calls"
-    calls = [
-        {"prompt_ids": t["prompt_ids"], "output_ids": t["output_ids"], "logprobs": t["output_logprobs"]}
-        for t in turns
-    ]
-    assert_token_faithful(trajectory, calls)  # the second prompt extends the first prompt and reply
+    # the second prompt extends the first prompt and reply
+    assert_token_faithful(trajectory, turns_as_calls(trajectory))
 
 
 def test_an_end_retried_once_the_session_ended_answers_what_the_first_end_did(
-    tmp_path: Path, generator_dir: Path, engine: str
+    tmp_path: Path, generator_dir: Path, loopback: str
 ) -> None:
     settings = Settings(generator_dir=generator_dir, port=8889, group_size=2, data_dir=tmp_path / "data")
 
@@ -557,7 +441,7 @@ def test_an_end_retried_once_the_session_ended_answers_what_the_first_end_did(
         return client.post(f"/sessions/{session['session_id']}/end", json=body)
 
     with TestClient(create_app(settings)) as client:
-        written = open_session(client, engine)
+        written = open_session(client, loopback)
         sdk(client, written).chat.completions.create(
             model="policy", messages=[{"role": "user", "content": "hi"}]
         )
@@ -566,7 +450,7 @@ def test_an_end_retried_once_the_session_ended_answers_what_the_first_end_did(
         again = end(client, written, reward=1.0)
         assert again.status_code == 200, again.text
         assert again.json()["data"] == {**first, "duplicate": True}
-        discarded = open_session(client, engine, "q2")
+        discarded = open_session(client, loopback, "q2")
         assert end(client, discarded, discard=True).json()["data"] == {"written": False}
         assert end(client, discarded, discard=True).json()["data"] == {"written": False}
         refused = end(client, discarded, reward=1.0)
@@ -579,7 +463,7 @@ def test_an_end_retried_once_the_session_ended_answers_what_the_first_end_did(
         client.app.state.services.buffer.journal.compact()
     with TestClient(create_app(settings)) as client:  # remembered through a snapshot too
         assert end(client, written, reward=1.0).json()["data"]["uid"] == first["uid"]
-        (trajectory,) = read_all(client)  # written once
+        (trajectory,) = session_trajectories(client)  # written once
     assert trajectory["uid"] == first["uid"]
     never = {"session_id": "never-opened"}
     with TestClient(create_app(settings)) as client:

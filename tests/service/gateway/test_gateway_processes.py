@@ -21,8 +21,16 @@ import openai
 import pytest
 
 from buffer.processes import free_port, started, stop, wait_ready
-from tests.service.gateway.test_gateway import TOOLS, assert_token_faithful, calculator_agent, engine_log
 from tests.support.calls import wait_for
+from tests.support.gateway import (
+    TOOLS,
+    assert_token_faithful,
+    calculator_agent,
+    engine_log,
+    serving,
+    session_trajectories,
+    turns_as_calls,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -78,29 +86,10 @@ def services(tmp_path: Path) -> Iterator[Services]:
 
 @pytest.fixture(scope="module")
 def simulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    command = [sys.executable, "-m", "buffer.simulator", "--engine", "vllm", "--served-model-name", "policy"]
-    command += ["--latency-mean-s", "0.01", "--host", "127.0.0.1", "--port", str(port)]
-    with started(command, "sim", tmp_path_factory.mktemp("sim") / "sim.log") as running:
-        wait_ready(f"http://127.0.0.1:{port}/health", running, 60, "the simulator")
-        yield f"http://127.0.0.1:{port}"
-
-
-@pytest.fixture(scope="module")
-def loopback(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "tests.support.loopback_engine",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    with started(command, "engine", tmp_path_factory.mktemp("engine") / "engine.log") as running:
-        wait_ready(f"http://127.0.0.1:{port}/health", running, 60, "the loopback engine")
-        yield f"http://127.0.0.1:{port}"
+    args = ["-m", "buffer.simulator", "--engine", "vllm", "--served-model-name", "policy"]
+    args += ["--latency-mean-s", "0.01"]
+    with serving(tmp_path_factory, "sim", *args) as url:
+        yield url
 
 
 def url(port: int) -> str:
@@ -109,24 +98,6 @@ def url(port: int) -> str:
 
 def agent(session: dict[str, Any]) -> openai.OpenAI:
     return openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
-
-
-def session_items(buffer: str, *instance_ids: str) -> list[dict[str, Any]]:
-    """The sessions' trajectories as the trainer reads them (a reward-0 companion beside each)."""
-    for instance_id in instance_ids:
-        companion = {"instance_id": instance_id, "task_type": "agent", "reward": 0.0}
-        companion["messages"] = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        httpx.post(f"{buffer}/buffer/write", json=companion).raise_for_status()
-    body = httpx.post(f"{buffer}/get_rollout_data", json={"task_type": "agent"}).json()
-    assert body["success"], body
-    return [item for item in body["data"]["data"] if str(item["uid"]).startswith("session-")]
-
-
-def turns_as_calls(trajectory: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        {"prompt_ids": t["prompt_ids"], "output_ids": t["output_ids"], "logprobs": t["output_logprobs"]}
-        for t in trajectory["turns"]
-    ]
 
 
 def test_sessions_opened_at_the_buffer_run_in_two_gateway_processes_and_are_trained_once_each(
@@ -158,7 +129,7 @@ def test_sessions_opened_at_the_buffer_run_in_two_gateway_processes_and_are_trai
         assert ended["data"]["written"], ended
         again = httpx.post(f"{buffer}/sessions/{session['session_id']}/end", json={"reward": 1.0}).json()
         assert again["data"]["duplicate"], again  # a retried end writes nothing twice
-    items = session_items(buffer, *[f"q{index}" for index in range(4)])
+    items = session_trajectories(buffer, *[f"q{index}" for index in range(4)])
     assert sorted(item["uid"] for item in items) == sorted(f"session-{s['session_id']}" for s in opened)
     for item in items:
         assert len(item["turns"]) == 2
@@ -206,7 +177,7 @@ def test_an_end_is_written_once_across_restarts_of_the_buffer(services: Services
         replayed = httpx.post(end, json={}).json()
         assert replayed["data"]["written"], replayed
         assert replayed["data"]["duplicate"], replayed  # as the buffer answered: counted once
-        items = session_items(url(buffer_port), "q1")
+        items = session_trajectories(url(buffer_port), "q1")
         assert [item["uid"] for item in items] == [f"session-{session['session_id']}"]
         (counters,) = httpx.get(f"{url(buffer_port)}/buffer/stats").json()["data"]["data"]
         assert counters["total_written"] == 2, counters  # the session once, and its companion
@@ -241,7 +212,7 @@ def test_a_killed_gateway_process_is_started_again_with_every_answered_call(
         client.chat.completions.create(model="policy", messages=history, tools=TOOLS)
     ended = httpx.post(f"{gateway}/sessions/{session['session_id']}/end", json={"reward": 1.0}).json()
     assert ended["data"]["written"], ended
-    (trajectory,) = session_items(url(buffer_port), "q1")
+    (trajectory,) = session_trajectories(url(buffer_port), "q1")
     assert trajectory["extra_info"]["gateway"]["parents"] == [None, 0]
     assert_token_faithful(trajectory, engine_log(loopback)[before:])
 
@@ -281,7 +252,7 @@ def test_calls_wait_while_the_buffer_s_policy_is_paused(services: Services, loop
     assert answered.is_set()
     ended = httpx.post(f"{gateway}/sessions/{session['session_id']}/end", json={"reward": 1.0}).json()
     assert ended["data"]["written"], ended
-    (trajectory,) = session_items(buffer, "q1")
+    (trajectory,) = session_trajectories(buffer, "q1")
     assert trajectory["turns"][0]["weight_versions"] == [[3, len(trajectory["turns"][0]["output_ids"])]]
 
 

@@ -17,7 +17,7 @@ from buffer.processes import free_port
 from buffer.service.app import create_app
 from buffer.service.settings import Settings
 from buffer.toolkit.transport import HttpxTransport
-from tests.service.gateway.test_gateway import TOOLS, engine, open_session, read_all, sdk  # noqa: F401
+from tests.support.gateway import TOOLS, open_session, sdk, session_trajectories
 
 GATEWAY = "http://gateway.test"
 
@@ -84,18 +84,18 @@ def test_the_task_s_session_settings_fill_the_open_handed_to_a_gateway_process(m
 def test_a_session_opened_before_the_hand_off_is_still_ended_at_the_buffer(
     tmp_path: Path,
     generator_dir: Path,
-    engine: str,  # noqa: F811
+    loopback: str,
 ) -> None:
     """A session the buffer's own gateway holds (opened before ``--gateway-url``, restored from
     the data folder) is served by it: its state, reward and end; one it ended answers a retried
     end itself. Any other session's end goes to the gateway processes (here: none answers)."""
     settings = Settings(generator_dir=generator_dir, port=8889, group_size=2, data_dir=tmp_path / "data")
     with TestClient(create_app(settings)) as client:
-        session = open_session(client, engine)
+        session = open_session(client, loopback)
         sdk(client, session).chat.completions.create(
             model="policy", messages=[{"role": "user", "content": "Compute 2 + 3."}], tools=TOOLS
         )
-        ended_here = open_session(client, engine, "q2")
+        ended_here = open_session(client, loopback, "q2")
         sdk(client, ended_here).chat.completions.create(
             model="policy", messages=[{"role": "user", "content": "hi"}]
         )
@@ -119,6 +119,6 @@ def test_a_session_opened_before_the_hand_off_is_still_ended_at_the_buffer(
         assert elsewhere.status_code == 503  # forwarded: no gateway process answers
         assert "cannot be reached" in elsewhere.json()["message"]
 
-        trajectories = {t["instance_id"]: t for t in read_all(client, "q1", "q2")}
+        trajectories = {t["instance_id"]: t for t in session_trajectories(client, "q1", "q2")}
         assert trajectories["q1"]["raw_reward"] == 0.5
         assert set(trajectories) == {"q1", "q2"}
