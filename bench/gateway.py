@@ -30,7 +30,14 @@ gateway processes have the cores: ``--engine raw`` (the default there) answers e
 one vLLM-shaped answer kept ready, from a bare asyncio server in this file (no framework, the body
 unread: a few tens of us a request), ``--engine loopback`` with the stand-in above; ``--agents raw``
 (the default) call on the toolkit's HTTP/1.1 transport (``buffer.toolkit.http11``), ``--agents
-aiohttp`` on aiohttp's client. ``--stream`` asks for streamed answers; ``--session-calls K``
+aiohttp`` on aiohttp's client. Cheaper still, in C: ``--engine nginx`` (nginx, one worker, the
+raw engine's answer from its ``return``) and ``--agents wrk`` (the sessions opened at the buffer
+as above, then wrk for ``--duration`` seconds, a thread a gateway process on its port,
+``--concurrency`` connections among them, each thread's calls spread over the sessions its
+process owns, each call's last user message numbered so none repeats another; every call wrk
+counts is checked to be recorded in the sessions); skipped, said so, where either is missing.
+``--repeat R`` runs the counts R times interleaved and prints the ratio of calls/s, each round's
+and their median. ``--stream`` asks for streamed answers; ``--session-calls K``
 makes each session K calls, opened, rewarded and ended (written) at the buffer within the time
 measured, as a harness does (0, the default: one session an agent for the whole run).
 
@@ -42,6 +49,7 @@ Run in a worktree of an earlier commit, it measures that commit's code (it runs 
 
     .venv/bin/python bench/gateway.py --processes 1,2 --concurrency 16 --calls 8000
     .venv/bin/python bench/gateway.py --processes 1,2 --concurrency 16 --calls 8000 --session-calls 10
+    .venv/bin/python bench/gateway.py --processes 1,2 --engine nginx --agents wrk --concurrency 64 --repeat 3
     .venv/bin/python bench/gateway.py --breakdown --concurrency 16 --calls 8000 --sessions 1000
 """
 
@@ -52,6 +60,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -59,6 +68,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import common
@@ -396,11 +406,184 @@ class RawEngine:
         self.process.wait(10)
 
 
-def run_processes(args: argparse.Namespace, counts: list[int]) -> dict[str, Any]:
-    """For each count of gateway processes: throughput and CPU per call, agents in processes of
-    their own; and what the cores allow at those costs."""
-    import multiprocessing
+# -- an engine and agents in C (--engine nginx, --agents wrk): what Python cannot make as cheap ---
+
+
+def nginx_binary() -> str | None:
+    """nginx on the PATH or where Debian puts it (/usr/sbin, off a user's PATH)."""
+    return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
+
+
+NGINX_CONF = """daemon off;
+master_process on;
+worker_processes 1;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+    keepalive_requests 100000000;
+    keepalive_timeout 600s;
+    server {{
+        listen {host}:{port} backlog=4096;
+        location / {{
+            default_type application/json;
+            return 200 '{answer}';
+        }}
+    }}
+}}
+"""
+
+
+class NginxEngine:
+    """nginx (one worker) answering every request with ``raw_answer()``, from a temporary prefix,
+    stopped on leaving: an engine that costs a few us a call. ``pids``: the master and its worker."""
+
+    def __enter__(self) -> NginxEngine:
+        import subprocess
+
+        binary = nginx_binary()
+        if binary is None:
+            raise RuntimeError("nginx is not installed (apt-get install nginx-light)")
+        answer = raw_answer().decode()
+        if any(character in answer for character in "'\\$"):  # nginx's quoting and variables
+            raise ValueError("the raw answer cannot go into nginx's return as it is")
+        port = common.free_port()
+        self.url = f"http://{common.HOST}:{port}"
+        self.prefix = tempfile.TemporaryDirectory(prefix="bench-nginx-")
+        prefix = self.prefix.name
+        conf = Path(prefix, "nginx.conf")
+        conf.write_text(NGINX_CONF.format(prefix=prefix, host=common.HOST, port=port, answer=answer))
+        command = [binary, "-p", prefix, "-c", str(conf), "-e", f"{prefix}/error.log"]
+        self.process = subprocess.Popen(command, cwd=prefix)
+        _wait(f"{self.url}/health")
+        self.pids = [self.process.pid, *children(self.process.pid)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.terminate()  # SIGTERM: nginx's fast shutdown, the worker too
+        self.process.wait(10)
+        self.prefix.cleanup()
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+#: wrk's script: each thread on one gateway process's port (``setup``), its calls spread over the
+#: sessions that process owns, each call's last user message made unique; ``done`` prints the counts.
+WRK_SCRIPT = """
+local ports = {ports}
+local sessions = {sessions}
+local head, tail = [==[{head}]==], [==[{tail}]==]
+local tag = "{tag}"
+local threads = 0
+
+function setup(thread)
+    threads = threads + 1
+    thread.addr = wrk.lookup("{host}", tostring(ports[threads]))[1]
+    thread:set("index", threads)
+end
+
+local mine, host, headers
+local counter = 0
+
+function init(args)
+    mine = sessions[index]
+    host = "{host}:" .. ports[index]
+end
+
+function request()
+    counter = counter + 1
+    local session = mine[counter % #mine + 1]
+    local body = head .. tag .. "-" .. index .. "-" .. counter .. tail
+    return wrk.format("POST", session[1], {{
+        ["Host"] = host,
+        ["Content-Type"] = "application/json",
+        ["Authorization"] = "Bearer " .. session[2],
+    }}, body)
+end
+
+function done(summary, latency, requests)
+    local errors = summary.errors
+    io.write(string.format(
+        'WRK {{"requests": %d, "duration_us": %d, "connect": %d, "read": %d, "write": %d, '
+        .. '"status": %d, "timeout": %d, "median_us": %d, "p99_us": %d}}\\n',
+        summary.requests, summary.duration, errors.connect, errors.read, errors.write,
+        errors.status, errors.timeout, latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+def wrk_script(sessions: list[dict[str, Any]], ports: list[int], tag: str) -> str:
+    """``WRK_SCRIPT`` for ``sessions`` (opened at the buffer, each owned by the gateway process
+    its ``base_url`` names), one wrk thread a port of ``ports``; ``tag`` makes this run's calls
+    differ from another run's in the same sessions."""
+    marker = "@@call@@"
+    messages = [MESSAGES[0], {"role": "user", "content": f"{QUESTION} ({marker})"}]
+    head, tail = (
+        orjson.dumps({"model": "policy", "messages": messages, "max_tokens": 64}).decode().split(marker)
+    )
+    owned: list[list[str]] = [[] for _ in ports]
+    for session in sessions:
+        address = urlsplit(session["base_url"])
+        path = f"{address.path}/chat/completions"
+        owned[ports.index(address.port)].append(f'{{"{path}", "{session["api_key"]}"}}')
+    if not all(owned):
+        raise RuntimeError("a gateway process owns none of the sessions: more agents than that")
+    lua = "{" + ", ".join("{" + ", ".join(paths) + "}" for paths in owned) + "}"
+    return WRK_SCRIPT.format(
+        ports="{" + ", ".join(map(str, ports)) + "}",
+        sessions=lua,
+        head=head,
+        tail=tail,
+        tag=tag,
+        host=common.HOST,
+    )
+
+
+def run_wrk(script: str, ports: list[int], connections: int, duration_s: int) -> dict[str, Any]:
+    """wrk, one thread a gateway port and ``connections`` among them, ``duration_s`` seconds:
+    its counts (``done``) and its CPU seconds (``cpu_s``, from the rusage of its exit)."""
     import subprocess
+
+    with tempfile.NamedTemporaryFile("w", suffix=".lua") as file:
+        file.write(script)
+        file.flush()
+        command = [
+            "wrk", "-t", str(len(ports)), "-c", str(connections), "-d", f"{duration_s}s",
+            "--timeout", "60s", "-s", file.name, f"http://{common.HOST}:{ports[0]}/",
+        ]  # fmt: skip
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        assert process.stdout is not None
+        with process.stdout:
+            output = process.stdout.read().decode()
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+    lines = [line for line in output.splitlines() if line.startswith("WRK ")]
+    if process.returncode or not lines:
+        raise RuntimeError(f"wrk failed ({process.returncode}): {output[-2000:]}")
+    counts: dict[str, Any] = orjson.loads(lines[-1][4:])
+    counts["cpu_s"] = usage.ru_utime + usage.ru_stime
+    return counts
+
+
+def run_processes(args: argparse.Namespace, counts: list[int]) -> dict[str, Any]:
+    """For each count of gateway processes, ``--repeat`` rounds (the counts interleaved, so load
+    that drifts weighs on each): throughput and CPU per call, agents in processes of their own;
+    and what the cores allow at those costs. ``runs``: each count's median round by calls/s."""
+    import multiprocessing
 
     context = multiprocessing.get_context("fork")  # before any event loop in this process
     report: dict[str, Any] = {
@@ -411,100 +594,200 @@ def run_processes(args: argparse.Namespace, counts: list[int]) -> dict[str, Any]
         "agent_processes": args.agent_processes,
         "stream": args.stream,
         "session_calls": args.session_calls,
+        "duration_s": args.duration if args.agents == "wrk" else None,
         "runs": {},
+        "rounds": [],
     }
-    per_agent = max(1, args.calls // args.concurrency)
     with contextlib.ExitStack() as stack:
         if args.engine == "raw":
             engine: Any = stack.enter_context(RawEngine())
+            engine_pids = [engine.pid]
+        elif args.engine == "nginx":
+            engine = stack.enter_context(NginxEngine())
+            engine_pids = engine.pids
         else:
             engine = stack.enter_context(common.Server(module="tests.support.loopback_engine"))
-        for count in counts:
-            ports = [common.free_port() for _ in range(count)]
-            gateways = [f"http://127.0.0.1:{port}" for port in ports]
-            extra = [arg for url in gateways for arg in ("--gateway-url", url)]
-            with common.Server(extra_args=extra) as buffer, contextlib.ExitStack() as running:
-                processes = []
-                for index, port in enumerate(ports):
-                    data = ["--data-dir", f"{args.data_dir}/{count}-{index}"] if args.data_dir else []
-                    if args.data_dir:
-                        data += ["--durability", args.durability]
-                    log = running.enter_context(tempfile.TemporaryFile())
-                    command = gateway_command(sys.executable, port, buffer.url, data)
-                    process = subprocess.Popen(command, cwd=common.REPO, stdout=log, stderr=subprocess.STDOUT)
-                    running.callback(process.wait)
-                    running.callback(process.terminate)
-                    processes.append(process)
-                for url in gateways:
-                    _wait(f"{url}/health")
-                go = context.Event()
-                pipes, workers = [], []
-                share = [args.concurrency // args.agent_processes] * args.agent_processes
-                for index in range(args.concurrency % args.agent_processes):
-                    share[index] += 1
-                for index, agents_here in enumerate(share):
-                    receive, send = context.Pipe(duplex=False)
-                    first = sum(share[:index])
-                    worker = context.Process(
-                        target=agents,
-                        args=(
-                            buffer.url,
-                            engine.url,
-                            agents_here,
-                            per_agent,
-                            first,
-                            go,
-                            send,
-                            args.agents,
-                            args.stream,
-                            args.session_calls,
-                        ),
-                    )
-                    worker.start()
-                    pipes.append(receive)
-                    workers.append(worker)
-                time.sleep(0.5)  # the agents' sessions opened and warmed (they wait for go)
-                pids = {
-                    "service": [buffer.pid],
-                    "gateways": [p.pid for p in processes],
-                    "engine": [engine.pid],
-                }
-                before = {name: [common.cpu_seconds(pid) for pid in group] for name, group in pids.items()}
-                switches = [context_switches(pid) for pid in pids["gateways"]]
-                machine = common.machine_cpu()
-                go.set()
-                results = [pipe.recv() for pipe in pipes]
-                after = {name: [common.cpu_seconds(pid) for pid in group] for name, group in pids.items()}
-                switched = [
-                    [later - earlier for earlier, later in zip(first, context_switches(pid), strict=True)]
-                    for first, pid in zip(switches, pids["gateways"], strict=True)
-                ]
-                shares = common.machine_shares(machine, common.machine_cpu())
-                load = os.getloadavg()[0]
-                for worker in workers:
-                    worker.join()
-            latencies = [latency for lists, *_ in results for latency in lists]
-            elapsed_s = max(result[2] for result in results) - min(result[1] for result in results)
-            calls = len(latencies)
-            used = {name: sum(after[name]) - sum(before[name]) for name in pids}
-            run = {
-                "calls": calls,
-                "calls_per_s": calls / elapsed_s,
-                **summary(latencies),
-                **{f"{name}_cpu_us_per_call": used[name] / calls * 1e6 for name in pids},
-                "agents_cpu_us_per_call": sum(result[3] for result in results) / calls * 1e6,
-                "per_gateway_process_cpu_share": [
-                    (b - a) / elapsed_s for a, b in zip(before["gateways"], after["gateways"], strict=True)
-                ],
-                "machine_busy": shares["busy"],
-                "load_average": load,
-                # how often the gateway processes slept waiting for work, and were preempted, a call
-                "gateway_waits_per_call": sum(voluntary for voluntary, _ in switched) / calls,
-                "gateway_preemptions_per_call": sum(preempted for _, preempted in switched) / calls,
-            }
-            run["allowed_calls_per_s"] = allowed(run, count, args.agent_processes)
-            report["runs"][str(count)] = run
+            engine_pids = [engine.pid]
+        for _ in range(args.repeat):
+            runs = {str(count): one_count(args, count, engine.url, engine_pids, context) for count in counts}
+            report["rounds"].append(runs)
+    for count in map(str, counts):
+        ranked = sorted((runs[count] for runs in report["rounds"]), key=lambda run: run["calls_per_s"])
+        report["runs"][count] = ranked[(len(ranked) - 1) // 2]
     return report
+
+
+def one_count(
+    args: argparse.Namespace, count: int, engine_url: str, engine_pids: list[int], context: Any
+) -> dict[str, Any]:
+    """One run with ``count`` gateway processes feeding a fresh buffer: the agents in processes of
+    their own (``--agents raw``, ``aiohttp``) or wrk (``--agents wrk``)."""
+    import subprocess
+
+    ports = [common.free_port() for _ in range(count)]
+    gateways = [f"http://127.0.0.1:{port}" for port in ports]
+    extra = [arg for url in gateways for arg in ("--gateway-url", url)]
+    with common.Server(extra_args=extra) as buffer, contextlib.ExitStack() as running:
+        processes = []
+        for index, port in enumerate(ports):
+            data = ["--data-dir", f"{args.data_dir}/{count}-{index}"] if args.data_dir else []
+            if args.data_dir:
+                data += ["--durability", args.durability]
+            log = running.enter_context(tempfile.TemporaryFile())
+            command = gateway_command(sys.executable, port, buffer.url, data)
+            process = subprocess.Popen(command, cwd=common.REPO, stdout=log, stderr=subprocess.STDOUT)
+            running.callback(process.wait)
+            running.callback(process.terminate)
+            processes.append(process)
+        for url in gateways:
+            _wait(f"{url}/health")
+        pids = {"service": [buffer.pid], "gateways": [p.pid for p in processes], "engine": engine_pids}
+        if args.agents == "wrk":
+            return wrk_count(args, count, ports, buffer.url, engine_url, pids)
+        go = context.Event()
+        pipes, workers = [], []
+        share = [args.concurrency // args.agent_processes] * args.agent_processes
+        for index in range(args.concurrency % args.agent_processes):
+            share[index] += 1
+        per_agent = max(1, args.calls // args.concurrency)
+        for index, agents_here in enumerate(share):
+            receive, send = context.Pipe(duplex=False)
+            first = sum(share[:index])
+            worker = context.Process(
+                target=agents,
+                args=(
+                    buffer.url,
+                    engine_url,
+                    agents_here,
+                    per_agent,
+                    first,
+                    go,
+                    send,
+                    args.agents,
+                    args.stream,
+                    args.session_calls,
+                ),
+            )
+            worker.start()
+            pipes.append(receive)
+            workers.append(worker)
+        time.sleep(0.5)  # the agents' sessions opened and warmed (they wait for go)
+        before = readings(pids)
+        go.set()
+        results = [pipe.recv() for pipe in pipes]
+        after = readings(pids)
+        for worker in workers:
+            worker.join()
+    latencies = [latency for lists, *_ in results for latency in lists]
+    elapsed_s = max(result[2] for result in results) - min(result[1] for result in results)
+    agents_cpu_s = sum(result[3] for result in results)
+    figures = summary(latencies)
+    return measured(before, after, len(latencies), elapsed_s, figures, agents_cpu_s, args.agent_processes)
+
+
+def wrk_count(
+    args: argparse.Namespace,
+    count: int,
+    ports: list[int],
+    buffer_url: str,
+    engine_url: str,
+    pids: dict[str, list[int]],
+) -> dict[str, Any]:
+    """``--concurrency`` sessions opened at the buffer (each handed to a gateway process), a
+    second of wrk to warm, then ``--duration`` seconds of wrk measured, one thread a gateway
+    process; every call wrk counts must be recorded in the sessions (checked), which are ended
+    (discarded) after."""
+    if args.concurrency % count:
+        raise SystemExit(
+            f"--agents wrk: --concurrency {args.concurrency} must divide among {count} processes"
+        )
+    with httpx.Client(trust_env=False, timeout=60.0) as client:
+
+        def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+            response = client.post(url, json=body)
+            response.raise_for_status()
+            answer: dict[str, Any] = response.json()["data"]
+            return answer
+
+        def recorded() -> int:
+            time.sleep(0.5)  # calls a wrk that stopped left in flight, answered
+            states = [client.get(f"{buffer_url}/sessions/{s['session_id']}") for s in sessions]
+            return sum(state.raise_for_status().json()["data"]["calls"] for state in states)
+
+        sessions = [
+            post(f"{buffer_url}/sessions", {"task_type": "bench", "instance_id": f"agent-{index}",
+                                            "remote_engine_url": engine_url})
+            for index in range(args.concurrency)
+        ]  # fmt: skip
+        run_wrk(wrk_script(sessions, ports, "warm"), ports, args.concurrency, 1)
+        first = recorded()
+        before = readings(pids)
+        counts = run_wrk(wrk_script(sessions, ports, "run"), ports, args.concurrency, args.duration)
+        after = readings(pids)
+        calls = recorded() - first
+        for session in sessions:
+            post(f"{buffer_url}/sessions/{session['session_id']}/end", {"discard": True})
+    errors = {
+        name: counts[name] for name in ("connect", "read", "write", "status", "timeout") if counts[name]
+    }
+    if errors:
+        raise RuntimeError(f"wrk's calls failed: {errors}")
+    # every call wrk counted recorded; at most one a connection more (in flight when wrk stopped)
+    if not counts["requests"] <= calls <= counts["requests"] + args.concurrency:
+        raise RuntimeError(f"wrk made {counts['requests']} calls, the sessions recorded {calls}")
+    figures = {"median_ms": counts["median_us"] / 1000, "p99_ms": counts["p99_us"] / 1000}
+    elapsed_s = counts["duration_us"] / 1e6
+    run = measured(before, after, counts["requests"], elapsed_s, figures, counts["cpu_s"], len(ports))
+    run["recorded_calls"] = calls
+    return run
+
+
+def readings(pids: dict[str, list[int]]) -> dict[str, Any]:
+    """The CPU so far of each process of ``pids``, the gateway processes' context switches and
+    the machine's CPU counters: ``measured`` takes two."""
+    return {
+        "cpu": {name: [common.cpu_seconds(pid) for pid in group] for name, group in pids.items()},
+        "switches": [context_switches(pid) for pid in pids["gateways"]],
+        "machine": common.machine_cpu(),
+    }
+
+
+def measured(
+    before: dict[str, Any],
+    after: dict[str, Any],
+    calls: int,
+    elapsed_s: float,
+    latencies: dict[str, float],
+    agents_cpu_s: float,
+    agent_cores: int,
+) -> dict[str, Any]:
+    """A run's figures from its ``readings`` before and after, ``calls`` made in ``elapsed_s``:
+    calls/s, the CPU a call of each process group, what the cores allow."""
+    shares = common.machine_shares(before["machine"], after["machine"])
+    used = {name: sum(after["cpu"][name]) - sum(before["cpu"][name]) for name in before["cpu"]}
+    switched = [
+        [later - earlier for earlier, later in zip(first, last, strict=True)]
+        for first, last in zip(before["switches"], after["switches"], strict=True)
+    ]
+    gateways = zip(before["cpu"]["gateways"], after["cpu"]["gateways"], strict=True)
+    run = {
+        "calls": calls,
+        "calls_per_s": calls / elapsed_s,
+        **latencies,
+        **{f"{name}_cpu_us_per_call": used[name] / calls * 1e6 for name in used},
+        "agents_cpu_us_per_call": agents_cpu_s / calls * 1e6,
+        "per_gateway_process_cpu_share": [(b - a) / elapsed_s for a, b in gateways],
+        "machine_busy": shares["busy"],
+        "load_average": os.getloadavg()[0],
+        # how often the gateway processes slept waiting for work, and were preempted, a call
+        "gateway_waits_per_call": sum(voluntary for voluntary, _ in switched) / calls,
+        "gateway_preemptions_per_call": sum(preempted for _, preempted in switched) / calls,
+    }
+    run["allowed_calls_per_s"] = allowed(run, len(before["switches"]), agent_cores)
+    # at this run's costs, what the cores allow over one gateway process: 2G / (G + E + A + S)
+    # for two on 2 cores, whatever load the run met (the doc's arithmetic)
+    run["allowed_over_one"] = run["allowed_calls_per_s"]["at_most"] / allowed(run, 1, agent_cores)["at_most"]
+    return run
 
 
 def context_switches(pid: int) -> tuple[int, int]:
@@ -764,24 +1047,58 @@ def print_breakdown(report: dict[str, Any]) -> None:
 
 
 def print_processes(report: dict[str, Any]) -> None:
+    agents = f"{report['agent_processes']} processes" if report["agents"] != "wrk" else "a thread a process"
     print(
-        f"{report['concurrency']} agents ({report['agents']} client, {report['agent_processes']} processes),"
+        f"{report['concurrency']} agents ({report['agents']} client, {agents}),"
         f" engine {report['engine']}, on {report['cpus']} CPUs{', streamed' if report['stream'] else ''}"
         + (f", {report['session_calls']} calls a session" if report["session_calls"] else "")
+        + (f", {report['duration_s']:g} s a run" if report["duration_s"] else "")
     )
+    for number, runs in enumerate(report["rounds"], 1):
+        if len(report["rounds"]) > 1:
+            print(f"round {number}:")
+        print_round(runs)
     one = report["runs"].get("1")
-    for count, run in report["runs"].items():
+    if one is None or len(report["runs"]) < 2:
+        return
+    for count in (count for count in report["runs"] if count != "1"):
+        ratios = [runs[count]["calls_per_s"] / runs["1"]["calls_per_s"] for runs in report["rounds"]]
+        rates = {
+            n: ", ".join(f"{runs[n]['calls_per_s']:.0f}" for runs in report["rounds"]) for n in ("1", count)
+        }
+        loads = [runs[n]["load_average"] for runs in report["rounds"] for n in ("1", count)]
+        bounds = [runs[count]["allowed_over_one"] for runs in report["rounds"]]
+        rest = [
+            sum(runs[count][f"{name}_cpu_us_per_call"] for name in ("service", "engine", "agents"))
+            for runs in report["rounds"]
+        ]
+        gateway = [runs[count]["gateways_cpu_us_per_call"] for runs in report["rounds"]]
+        print(
+            f"{count} gateway processes / 1: {statistics.median(ratios):.2f}x"
+            f" (rounds {', '.join(f'{ratio:.2f}x' for ratio in ratios)}; calls/s with 1: {rates['1']},"
+            f" with {count}: {rates[count]}; load {min(loads):.1f}-{max(loads):.1f});"
+            f" at the costs of the runs with {count} (a gateway process"
+            f" {min(gateway):.0f}-{max(gateway):.0f} us a call, engine + agents + service"
+            f" {min(rest):.0f}-{max(rest):.0f} us) the cores allow {min(bounds):.2f}-{max(bounds):.2f}x"
+        )
+
+
+def print_round(runs: dict[str, Any]) -> None:
+    one = runs.get("1")
+    for count, run in runs.items():
         bound = run["allowed_calls_per_s"]
         scale = allowed_scale = ""
         if one:
             scale = f" ({run['calls_per_s'] / one['calls_per_s']:.2f}x one)"
             allowed_scale = f" ({bound['at_most'] / one['allowed_calls_per_s']['at_most']:.2f}x one)"
+        rest = sum(run[f"{name}_cpu_us_per_call"] for name in ("service", "engine", "agents"))
         print(
             f"{count} gateway process(es): {run['calls_per_s']:.0f} calls/s{scale},"
             f" median {run['median_ms']:.2f} ms, p99 {run['p99_ms']:.2f} ms; CPU a call:"
             f" service {run['service_cpu_us_per_call']:.0f} us,"
             f" gateways {run['gateways_cpu_us_per_call']:.0f} us,"
-            f" engine {run['engine_cpu_us_per_call']:.0f} us, agents {run['agents_cpu_us_per_call']:.0f} us;"
+            f" engine {run['engine_cpu_us_per_call']:.0f} us, agents {run['agents_cpu_us_per_call']:.0f} us"
+            f" (engine + agents + service {rest:.0f} us);"
             f" load {run['load_average']:.1f}, machine {run['machine_busy']:.0%} busy"
         )
         shares = ", ".join(f"{share:.0%}" for share in run["per_gateway_process_cpu_share"])
@@ -823,16 +1140,26 @@ def main() -> None:
     )
     parser.add_argument(
         "--engine",
-        choices=["raw", "loopback"],
+        choices=["raw", "nginx", "loopback"],
         default="raw",
-        help="with --processes: the engine (raw: one answer kept ready, the cheapest; loopback: the "
-        "stand-in)",
+        help="with --processes: the engine (raw: one answer kept ready, the cheapest in Python; nginx: the "
+        "same answer from nginx, one worker; loopback: the stand-in)",
     )
     parser.add_argument(
         "--agents",
-        choices=["raw", "aiohttp"],
+        choices=["raw", "aiohttp", "wrk"],
         default="raw",
-        help="with --processes: the agents' HTTP client (raw: the toolkit's HTTP/1.1 transport)",
+        help="with --processes: the agents' HTTP client (raw: the toolkit's HTTP/1.1 transport; wrk: "
+        "wrk, a thread a gateway process, --concurrency connections, for --duration)",
+    )
+    parser.add_argument(
+        "--duration", type=int, default=10, help="with --agents wrk: seconds measured (after 1 s warm)"
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="with --processes: rounds, the counts interleaved (each: its median)",
     )
     parser.add_argument("--stream", action="store_true", help="with --processes: streamed answers")
     parser.add_argument(
@@ -866,6 +1193,22 @@ def main() -> None:
         return
     if args.processes:
         counts = [int(count) for count in args.processes.split(",")]
+        if args.agents == "wrk" and (args.stream or args.session_calls):
+            parser.error(
+                "--agents wrk makes plain calls in one session an agent: no --stream, --session-calls"
+            )
+        missing = [
+            f"{name} is not installed ({hint})"
+            for name, wanted, found, hint in (
+                ("nginx", args.engine == "nginx", nginx_binary(), "apt-get install nginx-light"),
+                ("wrk", args.agents == "wrk", shutil.which("wrk"), "apt-get install wrk"),
+            )
+            if wanted and not found
+        ]
+        if missing:
+            reason = "; ".join(missing)
+            print(orjson.dumps({"skipped": reason}).decode() if args.json else f"skipped: {reason}")
+            return
         report = run_processes(args, counts)
         if args.json:
             print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())

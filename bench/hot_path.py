@@ -4,10 +4,13 @@ Modes (``--mode``, default all three):
 
 - ``tokens``: a fresh server (``--group-size``, default 8) per size in ``--tokens`` (default 2000 and
   8000 recorded token ids per trajectory: prompt ids and output ids, each output id with its logprob, as
-  ``token_records.py`` makes them, scaled). One client writes whole groups through ``POST /buffer/write``
-  (so every group finishes and goes through the default hooks), and every ``--read-every`` groups reads
-  all that is ready through ``/get_rollout_data``. Reports the server's CPU seconds over the recorded
-  tokens written: the service's cost per token, writes, group completion and reads together.
+  ``token_records.py`` makes them, scaled). One client writes whole groups (so every group finishes and
+  goes through the default hooks), and every ``--read-every`` groups reads all that is ready through
+  ``/get_rollout_data``. ``--write batch``: each group in one ``POST /buffer/write_batch`` (a JSON list),
+  as the toolkit's ``HttpSink`` sends it (generators outside the service, worker processes: the runner
+  flushes the sink at a group's last write); ``--write single``: a ``POST /buffer/write`` per
+  trajectory. Reports the server's CPU seconds over the recorded tokens written: the service's cost per
+  token, writes, group completion and reads together.
 - ``gc``: in this process, a ``RolloutBuffer`` set up as ``rollout-buffer serve`` sets the collector up
   (thresholds 50,000/20/20, ``gc.freeze()`` at start, and again once its task exists where the
   service's sweeper does that, ``buffer.service.app._freeze_new_tasks``), filled with ``--pending``
@@ -28,7 +31,7 @@ Modes (``--mode``, default all three):
 Run (from the repository root, with the dev venv):
 
     .venv/bin/python bench/hot_path.py
-    .venv/bin/python bench/hot_path.py --mode tokens --tokens 2000,8000 --groups 200
+    .venv/bin/python bench/hot_path.py --mode tokens --tokens 2000,8000 --groups 200 --write batch,single
     .venv/bin/python bench/hot_path.py --mode gc --pending 1000000
     .venv/bin/python bench/hot_path.py --mode stack --requests 2000 --repeats 5
     .venv/bin/python bench/hot_path.py --mode layers
@@ -95,8 +98,9 @@ def recorded(trajectory: dict[str, Any]) -> int:
     return sum(len(turn["prompt_ids"]) + len(turn["output_ids"]) for turn in trajectory["turns"])
 
 
-def tokens_run(args: argparse.Namespace, tokens: int) -> dict[str, Any]:
+def tokens_run(args: argparse.Namespace, tokens: int, write: str) -> dict[str, Any]:
     size = args.group_size
+    batch = write == "batch"
     # A few templates, their ids replaced per write: the client's own encoding stays out of the timing.
     templates = [token_trajectory("@@I@@", "@@U@@", tokens, 0.0, seed) for seed in range(size)]
     per_trajectory = recorded(templates[0])
@@ -118,13 +122,20 @@ def tokens_run(args: argparse.Namespace, tokens: int) -> dict[str, Any]:
             nonlocal written, served
             for g in range(count):
                 instance = b'"%s-%d"' % (prefix.encode(), g)
-                for n, (head, middle, tail) in enumerate(parts):
-                    uid = b'"%s-%d-%d"' % (prefix.encode(), g, n)
+                bodies = [
+                    head + instance + middle + b'"%s-%d-%d"' % (prefix.encode(), g, n) + tail
+                    for n, (head, middle, tail) in enumerate(parts)
+                ]
+                if batch:  # the group in one POST, a JSON list: what ``HttpSink`` sends at its flush
                     status, _, _, _ = client.request(
-                        "POST", "/buffer/write", head + instance + middle + uid + tail
+                        "POST", "/buffer/write_batch", b"[%s]" % b",".join(bodies)
                     )
                     assert status == 200, status
-                    written += 1
+                else:
+                    for body in bodies:
+                        status, _, _, _ = client.request("POST", "/buffer/write", body)
+                        assert status == 200, status
+                written += len(bodies)
                 if (g + 1) % args.read_every == 0 or g == count - 1:
                     status, _, _, body = client.request("POST", "/get_rollout_data", read)
                     assert status == 200, body[:200]
@@ -138,6 +149,7 @@ def tokens_run(args: argparse.Namespace, tokens: int) -> dict[str, Any]:
         elapsed = time.monotonic() - start
         cpu = common.cpu_seconds(server.pid) - cpu_before
     return {
+        "write": write,
         "tokens": per_trajectory,
         "json_bytes": len(parts[0][0]) + len(parts[0][1]) + len(parts[0][2]),
         "trajectories": written,
@@ -417,8 +429,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     modes = ["tokens", "gc", "stack", "layers"] if args.mode == "all" else [args.mode]
     result: dict[str, Any] = {}
     if "tokens" in modes:
-        rows = [tokens_run(args, int(tokens)) for tokens in args.tokens.split(",")]
+        rows = [
+            tokens_run(args, int(tokens), write)
+            for write in args.write.split(",")
+            for tokens in args.tokens.split(",")
+        ]
         columns = [
+            "write",
             "tokens",
             "json_bytes",
             "trajectories",
@@ -466,6 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mode", choices=["all", "tokens", "gc", "stack", "layers"], default="all")
     parser.add_argument(
         "--tokens", default="2000,8000", help="recorded token ids per trajectory, comma-separated"
+    )
+    parser.add_argument(
+        "--write",
+        default="batch,single",
+        help="for --mode tokens: batch (each group one POST /buffer/write_batch, as HttpSink sends it), "
+        "single (a POST /buffer/write per trajectory), or both, comma-separated (default both)",
     )
     parser.add_argument("--groups", type=int, default=150, help="groups written per token size (default 150)")
     parser.add_argument("--read-every", type=int, default=10, help="groups between reads (default 10)")

@@ -7,23 +7,16 @@ are zero-variance (accuracy 0.5, two samples a group) and dropped by the default
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 from buffer.policy.admission import KEEP_FLOOR
-from tests.support.paths import REPO
-
-BENCH = REPO / "bench" / "async_rl.py"
+from tests.support.bench import bench_module
 
 
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("async_rl_bench", BENCH)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with bench_module("async_rl") as module:
+        return module
 
 
 def test_a_paused_and_versioned_run_serves_nothing_stale_loses_nothing_and_fills_every_batch(
