@@ -10,31 +10,15 @@ import sqlite3
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from buffer.store import cleanup, snapshot_table
-from buffer.store.sqlite import Journal
 from tests.support.calls import wait_for
 from tests.support.factories import FakeClock, group, trajectory
 from tests.support.paths import REPO
-from tests.support.stores import Opened, state
-
-
-@contextlib.contextmanager
-def opened(directory: Path, clock: FakeClock) -> Iterator[Opened]:
-    service = Opened(Journal(directory), clock)
-    try:
-        yield service
-    finally:
-        service.close()
-
-
-def journal(service: Opened) -> Journal:
-    assert isinstance(service.store, Journal)
-    return service.store
+from tests.support.stores import journal, opened, state
 
 
 def garbage(database: Path) -> tuple[int, int]:

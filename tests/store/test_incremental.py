@@ -26,21 +26,7 @@ from buffer.store.sqlite import Journal
 from tests.support.calls import wait_for
 from tests.support.factories import FakeClock, trajectory
 from tests.support.paths import REPO
-from tests.support.stores import Opened, fill, state
-
-
-@contextlib.contextmanager
-def opened(directory: Path, clock: FakeClock, **options: Any) -> Iterator[Opened]:
-    service = Opened(Journal(directory, **options), clock)
-    try:
-        yield service
-    finally:
-        service.close()
-
-
-def journal(service: Opened) -> Journal:
-    assert isinstance(service.store, Journal)
-    return service.store
+from tests.support.stores import Opened, fill, journal, opened, state
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import contextlib
 import os
 import shutil
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,23 +23,9 @@ from buffer.store.schema import JournalCorrupt
 from buffer.store.sqlite import Journal
 from tests.support.calls import wait_for
 from tests.support.factories import FakeClock, group, trajectory
-from tests.support.stores import Opened
+from tests.support.stores import Opened, journal, opened
 
 FILES = ("buffer.sqlite3", "buffer.sqlite3-wal", "buffer.sqlite3-commits")
-
-
-@contextlib.contextmanager
-def opened(directory: Path, clock: FakeClock, **options: Any) -> Iterator[Opened]:
-    service = Opened(Journal(directory, **options), clock)
-    try:
-        yield service
-    finally:
-        service.close()
-
-
-def journal(service: Opened) -> Journal:
-    assert isinstance(service.store, Journal)
-    return service.store
 
 
 def commit_groups(service: Opened, first: int, count: int) -> None:

@@ -3,7 +3,10 @@ can see of it: what the store tests (``tests/store``) share."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from buffer.core import reads
@@ -12,6 +15,7 @@ from buffer.core.records import Event
 from buffer.core.rollout_buffer import RolloutBuffer
 from buffer.core.task import TaskSettings
 from buffer.store.base import Store
+from buffer.store.sqlite import Journal
 from tests.support.factories import FakeClock, group, trajectory
 
 WALL_BASE = time.time() - 1000  # the fake clock's wall time: now, so the export retention keeps it
@@ -108,3 +112,18 @@ def fill(buffer: RolloutBuffer, clock: FakeClock) -> None:
     buffer.job_ended("eval")
     buffer.job_started("custom", "custom", {"task_type": "custom"})
     buffer.job_paused("custom")  # a clean stop: resumed after the restart
+
+
+@contextlib.contextmanager
+def opened(directory: Path, clock: FakeClock, **options: Any) -> Iterator[Opened]:
+    """A buffer over the data folder ``directory`` (a ``Journal`` with ``options``), closed on leaving."""
+    service = Opened(Journal(directory, **options), clock)
+    try:
+        yield service
+    finally:
+        service.close()
+
+
+def journal(service: Opened) -> Journal:
+    assert isinstance(service.store, Journal)
+    return service.store
