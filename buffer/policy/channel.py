@@ -71,21 +71,16 @@ class _Demand:
     starved_at: float | None = None  # waiting with no room since (monotonic)
 
 
-class WorkerChannel(asyncio.Protocol):
-    """The service's end of one worker's admission socket (``serve_worker``)."""
+class LineProtocol(asyncio.Protocol):
+    """Either end of an admission socket: a JSON object a line, each handed to ``heard``; one
+    not understood is logged and ignored, a line past ``MAX_LINE`` handed to ``too_long``."""
 
-    def __init__(self, policy: Policy, name: str, clock: Callable[[], float] = time.monotonic) -> None:
-        self.policy = policy
-        self.name = name
-        self._clock = clock
-        self.demands: dict[str, _Demand] = {}
+    #: Who this end talks to, for the log.
+    name = "admission channel"
+
+    def __init__(self) -> None:
         self._transport: asyncio.Transport | None = None
         self._buffer = b""
-        self._said_state: dict[str, Any] | None = None  # the policy's state as last said
-        self._listening: dict[int, tuple[Admission, Callable[[], None]]] = {}
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    # -- the protocol ---------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is none of asyncio's classes
@@ -94,15 +89,49 @@ class WorkerChannel(asyncio.Protocol):
         self._buffer += data
         if b"\n" not in self._buffer:
             if len(self._buffer) > MAX_LINE:
-                logger.warning("%s: an admission message too long; the channel is closed", self.name)
-                self.close()
+                self.too_long()
             return
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in lines:
             try:
-                self.said(json.loads(line))
+                self.heard(json.loads(line))
             except (ValueError, TypeError, KeyError) as exc:
                 logger.warning("%s: an admission message not understood (%r); ignored", self.name, exc)
+        self.lines_handled()
+
+    def heard(self, message: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def too_long(self) -> None:
+        raise NotImplementedError
+
+    def lines_handled(self) -> None:
+        """After the lines one read brought were handed on."""
+
+
+class WorkerChannel(LineProtocol):
+    """The service's end of one worker's admission socket (``serve_worker``)."""
+
+    def __init__(self, policy: Policy, name: str, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.policy = policy
+        self.name = name
+        self._clock = clock
+        self.demands: dict[str, _Demand] = {}
+        self._said_state: dict[str, Any] | None = None  # the policy's state as last said
+        self._listening: dict[int, tuple[Admission, Callable[[], None]]] = {}
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    # -- the protocol ---------------------------------------------------------------------
+
+    def too_long(self) -> None:
+        logger.warning("%s: an admission message too long; the channel is closed", self.name)
+        self.close()
+
+    def heard(self, message: dict[str, Any]) -> None:
+        self.said(message)
+
+    def lines_handled(self) -> None:
         self.pump(changed=self._said_state is None)
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -22,26 +22,24 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from buffer.policy.admission import Admits
+from buffer.policy.channel import LineProtocol
 
 logger = logging.getLogger(__name__)
 
-#: A line longer than this is no message of the protocol.
-MAX_LINE = 64 * 1024
 #: What is handed the policy's state the service says (``RemotePolicy``'s mirror).
 PolicyHeard = Callable[[dict[str, Any]], None]
 
 
-class PolicyChannel(asyncio.Protocol):
+class PolicyChannel(LineProtocol):
     """The worker's end of its admission socket, on one event loop: each message is handled in
     the loop turn it arrives in (a grant wakes the run waiting for it the turn after)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._loop = asyncio.get_running_loop()
-        self._transport: asyncio.Transport | None = None
-        self._buffer = b""
         self._admissions: dict[str, ChannelAdmission] = {}
         self.broken = False
         self._policy: dict[str, Any] | None = None  # the policy's state as last said
@@ -88,23 +86,10 @@ class PolicyChannel(asyncio.Protocol):
 
     # -- the protocol ---------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is none of asyncio's classes
+    def too_long(self) -> None:
+        self._break(ValueError("an admission message too long"))
 
-    def data_received(self, data: bytes) -> None:
-        self._buffer += data
-        if b"\n" not in self._buffer:
-            if len(self._buffer) > MAX_LINE:
-                self._break(ValueError("an admission message too long"))
-            return
-        *lines, self._buffer = self._buffer.split(b"\n")
-        for line in lines:
-            try:
-                self._heard(json.loads(line))
-            except (ValueError, TypeError, KeyError) as exc:
-                logger.warning("admission channel: a message not understood (%r); ignored", exc)
-
-    def _heard(self, message: dict[str, Any]) -> None:
+    def heard(self, message: dict[str, Any]) -> None:
         if isinstance(state := message.get("policy"), dict):
             self._policy = state
             for admission in list(self._admissions.values()):
