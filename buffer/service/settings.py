@@ -105,7 +105,10 @@ class Settings(BaseSettings):
         description="with --data-dir, how long delivered trajectories are kept for export",
     )
     journal_compact_bytes: int = Field(
-        256 * 2**20, ge=2**20, description="with --data-dir, compact the journal each time it grows this much"
+        256 * 2**20,
+        ge=2**20,
+        description="with --data-dir, compact the journal once it has grown this much at the latest (sooner "
+        "at a sixteenth of the snapshot, at least 16 MiB: a compaction writes what changed since the last)",
     )
     max_buffered_trajectories: int = Field(
         1_000_000,
