@@ -22,16 +22,18 @@ import contextlib
 import ipaddress
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import httpx
 import orjson
-from tenacity import AsyncRetrying, retry_if_exception, wait_random_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
 
 from buffer.current import current_job
 from buffer.keys import key_or_env
 from buffer.toolkit.http11 import Http11Transport
+from buffer.toolkit.retries import retry_after_s
 from buffer.toolkit.transport import Reply, Unreachable
 
 logger = logging.getLogger(__name__)
@@ -168,7 +170,7 @@ class HttpSink:
     async def _send(self, batch: list[dict[str, Any]]) -> None:
         try:
             await self._post(batch)
-        except (RejectedTrajectory, _TooLarge) as exc:
+        except (RejectedTrajectory, BatchTooLarge) as exc:
             if len(batch) == 1:
                 self.rejected += 1
                 reason = f"{batch[0].get('uid')}: {str(exc)[:500]}"
@@ -178,7 +180,7 @@ class HttpSink:
                     self._job.record_refusal(reason)
                 logger.error("the buffer refused trajectory %s: %s", batch[0].get("uid"), exc)
                 return
-            if isinstance(exc, _TooLarge):  # past --max-request-bytes: send it in halves
+            if isinstance(exc, BatchTooLarge):  # past --max-request-bytes: send it in halves
                 await self._send(batch[: len(batch) // 2])
                 await self._send(batch[len(batch) // 2 :])
                 return
@@ -188,19 +190,7 @@ class HttpSink:
             self.written += len(batch)
 
     async def _post(self, batch: list[dict[str, Any]]) -> None:
-        content = orjson.dumps(batch)
-        retrying = AsyncRetrying(wait=self._wait_for, retry=retry_if_exception(_is_transient), reraise=True)
-        async for attempt in retrying:
-            with attempt:
-                reply = await self._send_once(content)
-                if reply.status == 422:
-                    raise RejectedTrajectory(reply.text[:1000])
-                if reply.status == 413:
-                    raise _TooLarge(reply.text[:1000])
-                if reply.status == 429 or reply.status >= 500:
-                    raise _BufferBusy(reply)
-                if reply.is_error:
-                    raise WriteRefused(f"HTTP {reply.status} from {self._url}: {reply.text[:300]}")
+        await post_batch(self._send_once, orjson.dumps(batch), self._url, self._wait)
 
     async def _send_once(self, content: bytes) -> Reply:
         if self._transport is not None:
@@ -212,16 +202,8 @@ class HttpSink:
             raise Unreachable(type(exc).__name__, str(exc), connect=False) from exc
         return Reply(response.status_code, response.content, response.headers.get("retry-after"))
 
-    def _wait_for(self, state: Any) -> float:
-        wait: float = self._wait(state)
-        error = state.outcome.exception() if state.outcome is not None else None
-        if isinstance(error, _BufferBusy) and error.retry_after_s is not None:
-            wait = max(wait, error.retry_after_s)
-        logger.warning("writing to the buffer failed (%s); retrying in %.1f s", error, wait)
-        return wait
 
-
-class _TooLarge(Exception):
+class BatchTooLarge(Exception):
     """The batch is larger than the buffer's --max-request-bytes."""
 
 
@@ -232,14 +214,46 @@ class WriteRefused(Exception):
 class _BufferBusy(Exception):
     def __init__(self, reply: Reply) -> None:
         super().__init__(f"HTTP {reply.status}")
-        try:
-            self.retry_after_s: float | None = float(reply.retry_after or "")
-        except ValueError:
-            self.retry_after_s = None
+        self.retry_after_s = retry_after_s(reply.retry_after)
 
 
 def _is_transient(exc: BaseException) -> bool:
     return isinstance(exc, (_BufferBusy, Unreachable))
+
+
+async def post_batch(
+    send: Callable[[bytes], Awaitable[Reply]],
+    content: bytes,
+    url: str,
+    wait: Callable[[RetryCallState], float],
+) -> Reply:
+    """A batch of trajectories (``content``, a JSON list) posted with ``send`` to a buffer's
+    ``/buffer/write_batch`` at ``url``, sent again while the buffer cannot be reached or answers
+    429 or 5xx (after ``wait``'s time, or its ``Retry-After`` when longer); the buffer's answer.
+    ``RejectedTrajectory`` for a 422, ``BatchTooLarge`` for a 413, ``WriteRefused`` for any other
+    error status."""
+
+    def waited(state: RetryCallState) -> float:
+        wait_s = wait(state)
+        error = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(error, _BufferBusy) and error.retry_after_s is not None:
+            wait_s = max(wait_s, error.retry_after_s)
+        logger.warning("writing to the buffer failed (%s); retrying in %.1f s", error, wait_s)
+        return wait_s
+
+    retrying = AsyncRetrying(wait=waited, retry=retry_if_exception(_is_transient), reraise=True)
+    async for attempt in retrying:
+        with attempt:
+            reply = await send(content)
+            if reply.status == 422:
+                raise RejectedTrajectory(reply.text[:1000])
+            if reply.status == 413:
+                raise BatchTooLarge(reply.text[:1000])
+            if reply.status == 429 or reply.status >= 500:
+                raise _BufferBusy(reply)
+            if reply.is_error:
+                raise WriteRefused(f"HTTP {reply.status} from {url}: {reply.text[:300]}")
+    return reply
 
 
 async def open_sink(remote_buffer_url: str | None, *, api_key: str | None = None) -> TrajectorySink:

@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 import orjson
+from tenacity import wait_exponential
 
 from buffer.core.writes import WriteResult
 from buffer.errors import RolloutBufferError
@@ -30,7 +31,8 @@ from buffer.service.gateway.service import Gateway, SessionUnusable
 from buffer.service.gateway.sessions import Session
 from buffer.service.models import TRAJECTORIES, parse_json
 from buffer.toolkit.http11 import Http11Transport
-from buffer.toolkit.transport import Reply, Transport, Unreachable
+from buffer.toolkit.sink import BatchTooLarge, RejectedTrajectory, WriteRefused, post_batch
+from buffer.toolkit.transport import Reply, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -104,32 +106,21 @@ class RemoteGateway(Gateway):
 
     async def _send(self, trajectories: list[dict[str, Any]], content: bytes) -> list[WriteResult]:
         """All the chains in one batch, sent again until the main buffer takes it (while it cannot
-        be reached, or answers 429 or 5xx); what it wrote, as it answered."""
+        be reached, or answers 429 or 5xx: ``post_batch``); what it wrote, as it answered."""
         url = f"{self.buffer_url}/buffer/write_batch"
-        wait_s = RETRY_S
-        while True:
-            try:
-                reply = await self._transport.post(url, content, self._headers)
-            except Unreachable as exc:
-                problem, retry_after = repr(exc), None
-            else:
-                status = reply.status
-                if status == 200:
-                    return _written(trajectories, reply)
-                if status in (413, 422):
-                    said = reply.text[:1000]
-                    raise SessionUnusable(
-                        f"the main buffer refused the session's trajectories: HTTP {status}: {said}"
-                    )
-                if status != 429 and status < 500:
-                    raise MainBufferRefused(f"HTTP {status} from {url}: {reply.text[:300]}")
-                problem, retry_after = f"HTTP {status}", reply.retry_after
-            delay_s = max(wait_s, _seconds(retry_after))
-            logger.warning(
-                "writing a session to the main buffer failed (%s); retrying in %.1f s", problem, delay_s
+        wait = wait_exponential(multiplier=RETRY_S, max=MAX_RETRY_S)  # RETRY_S doubled, up to MAX_RETRY_S
+        try:
+            reply = await post_batch(
+                lambda body: self._transport.post(url, body, self._headers), content, url, wait
             )
-            await asyncio.sleep(delay_s)
-            wait_s = min(wait_s * 2, MAX_RETRY_S)
+        except (RejectedTrajectory, BatchTooLarge) as exc:
+            status = 422 if isinstance(exc, RejectedTrajectory) else 413
+            raise SessionUnusable(
+                f"the main buffer refused the session's trajectories: HTTP {status}: {exc}"
+            ) from exc
+        except WriteRefused as exc:
+            raise MainBufferRefused(str(exc)) from exc
+        return _written(trajectories, reply)
 
     def expire(self) -> int:
         """Time out the idle sessions: each is ended in the background (written when it says
@@ -175,10 +166,3 @@ def _written(trajectories: list[dict[str, Any]], reply: Reply) -> list[WriteResu
     data = orjson.loads(reply.body).get("data") or {}
     duplicate = bool(trajectories) and data.get("duplicates") == len(trajectories)
     return [WriteResult(str(t["uid"]), str(t["task_type"]), duplicate) for t in trajectories]
-
-
-def _seconds(retry_after: str | None) -> float:
-    try:
-        return max(0.0, float(retry_after or 0))
-    except ValueError:
-        return 0.0
