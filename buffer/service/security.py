@@ -407,13 +407,20 @@ class BodySizeLimitMiddleware:
         chunked = False
         for name, value in scope["headers"]:
             if name == b"content-length":
-                try:
-                    length = int(value)
-                except ValueError:  # the server refuses it first; count the body if not
-                    chunked = True
+                length, chunked = _declared(value, length, chunked)
             elif name == b"transfer-encoding":
                 chunked = True
         await self._limit.run(self.app, scope, receive, send, length, chunked)
+
+
+def _declared(value: bytes, length: int | None, chunked: bool) -> tuple[int | None, bool]:
+    """The body's length and whether it is counted as it arrives, once a ``Content-Length`` of
+    ``value`` is read: a value that is no number leaves the length as it was and counts the body
+    (the server refuses such a request first)."""
+    try:
+        return int(value), chunked
+    except ValueError:
+        return length, True
 
 
 class _BodyLimit:
@@ -536,10 +543,7 @@ class ServiceGuard:
             if name == b"content-type":
                 content_type = value
             elif name == b"content-length":
-                try:
-                    length = int(value)
-                except ValueError:  # the server refuses it first; count the body if not
-                    chunked = True
+                length, chunked = _declared(value, length, chunked)
             elif name == b"host":
                 host = value
             elif name == b"authorization":
