@@ -27,6 +27,9 @@ import struct
 import zlib
 from pathlib import Path
 
+from buffer.store import wal
+from buffer.store.schema import connect, last_event
+
 logger = logging.getLogger(__name__)
 
 _RECORD = struct.Struct("<4sIQ")
@@ -94,9 +97,6 @@ def check_log(database: Path) -> str | None:
     WAL's frames are checked before SQLite opens it (``wal``), then the database's last event
     against the count kept beside it, from a read-only connection, which leaves the WAL as it
     found it."""
-    from buffer.store import wal
-    from buffer.store.schema import connect, last_event
-
     damage = wal.check(database.with_name(database.name + "-wal"))
     if damage is not None:
         return str(damage)
