@@ -26,9 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from buffer.store import snapshot_table
-from buffer.store.schema import GARBAGE, connect, discard, garbage_tables
-
-__all__ = ["GARBAGE", "SideWriter", "discard", "garbage_tables", "has_garbage", "reclaim", "step"]
+from buffer.store.schema import connect, garbage_tables
 
 logger = logging.getLogger(__name__)
 

@@ -65,6 +65,7 @@ from buffer.store.schema import (
     SCHEMA,
     JournalCorrupt,
     connect,
+    discard,
     insert,
     last_event,
     lock_folder,
@@ -181,7 +182,7 @@ class Journal(Store):
             self._db.executescript(SCHEMA)
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (str(FORMAT_VERSION),))
             migration.reclaim_space(self._db, self.database)
-            cleanup.discard(self._db, "snapshot_next")  # staged by a former version a crash stopped
+            discard(self._db, "snapshot_next")  # staged by a former version a crash stopped
             if cleanup.has_garbage(self._db):
                 self._cleanup = 0
             through = cleanup.snapshot_through(self._db)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from buffer.store import cleanup, snapshot_table
+from buffer.store import cleanup, schema, snapshot_table
 from tests.support.calls import wait_for
 from tests.support.factories import FakeClock, group, trajectory
 from tests.support.paths import REPO
@@ -25,7 +25,7 @@ def garbage(database: Path) -> tuple[int, int]:
     """Rows of replaced snapshots (tables, and rows a delta replaced), and events the snapshot
     covers, still in the database."""
     with contextlib.closing(sqlite3.connect(database)) as db:
-        rows = sum(db.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in cleanup.garbage_tables(db))
+        rows = sum(db.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in schema.garbage_tables(db))
         installed = snapshot_table.generation(db)
         if installed is not None:
             dead = "SELECT count(*) FROM snap WHERE died <= ?"

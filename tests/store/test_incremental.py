@@ -20,7 +20,7 @@ import pytest
 
 from buffer.core.records import Piece
 from buffer.errors import StorageFailed
-from buffer.store import cleanup, snapshot_table
+from buffer.store import schema, snapshot_table
 from buffer.store import sqlite as sqlite_store
 from buffer.store.sqlite import Journal
 from tests.support.calls import wait_for
@@ -301,7 +301,7 @@ def test_a_folder_of_the_former_format_opens_and_is_carried_over_at_the_first_co
     with contextlib.closing(sqlite3.connect(data / "buffer.sqlite3")) as db:
         names = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         assert "snapshot" not in names
-        assert not cleanup.garbage_tables(db)
+        assert not schema.garbage_tables(db)
         assert db.execute("SELECT value FROM meta WHERE key = 'format'").fetchone()[0] == "2"
     with opened(data, clock) as second:
         assert state(second.buffer) == before
