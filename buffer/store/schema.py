@@ -73,9 +73,13 @@ def connect(path: Path, *, sync: bool = True, readonly: bool = False) -> sqlite3
         connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     connection.execute("PRAGMA busy_timeout = 60000")
     if not readonly:
-        connection.execute(f"PRAGMA page_size = {PAGE_SIZE}")  # a new database only
-        # a new database only; an older one is VACUUMed into it once (migration.reclaim_space)
-        connection.execute("PRAGMA auto_vacuum = INCREMENTAL")
+        if connection.execute("PRAGMA page_count").fetchone()[0] == 0:
+            # A new database only: on one that exists, setting auto_vacuum commits a write of
+            # its first page (even to the value it has), from a connection outside the
+            # journal's write lock, after the last commit acknowledged. An older database is
+            # VACUUMed into it once (migration.reclaim_space).
+            connection.execute(f"PRAGMA page_size = {PAGE_SIZE}")
+            connection.execute("PRAGMA auto_vacuum = INCREMENTAL")
         connection.execute("PRAGMA journal_mode = WAL")
         connection.execute(f"PRAGMA synchronous = {'FULL' if sync else 'NORMAL'}")
         connection.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT_BYTES}")  # after a big compaction

@@ -35,7 +35,7 @@ from buffer.store.sqlite import Journal
 from tests.support.calls import wait_for
 from tests.support.factories import FakeClock, group, trajectory
 from tests.support.paths import REPO
-from tests.support.stores import Opened, fill, state
+from tests.support.stores import Opened, fill, state, tear_last_commit
 
 
 class Service(Opened):
@@ -112,7 +112,7 @@ def test_a_torn_last_commit_is_dropped_and_the_rest_restored(
     first.journal.wait_durable_blocking(60)
     image = crash_image(first.journal, tmp_path / "crashed")
     wal = image / "buffer.sqlite3-wal"
-    os.truncate(wal, wal.stat().st_size - 10)  # the last commit, half on disk
+    tear_last_commit(wal)  # the last commit, half on disk
     with opened(image, clock) as second:
         assert second.buffer.stats()["pending_items"] == 0
         assert [g.instance_id for g in second.buffer.read().groups] == ["q1"]

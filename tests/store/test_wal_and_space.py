@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 
 from buffer.store import check as datacheck
-from buffer.store import commits, snapshot_table, wal
+from buffer.store import commits, schema, snapshot_table, wal
 from buffer.store.schema import JournalCorrupt
 from buffer.store.sqlite import Journal
 from tests.support.calls import wait_for
 from tests.support.factories import FakeClock, group, trajectory
-from tests.support.stores import Opened, journal, opened
+from tests.support.stores import Opened, journal, opened, tear_last_commit
 
 FILES = ("buffer.sqlite3", "buffer.sqlite3-wal", "buffer.sqlite3-commits")
 
@@ -93,10 +93,29 @@ def test_the_commit_count_catches_an_acknowledged_commit_cut_off_the_wal(
         commit_groups(first, 0, 5)
         image = crash_image(tmp_path / "data", tmp_path / "crashed")
     wal_path = image / "buffer.sqlite3-wal"
-    os.truncate(wal_path, wal_path.stat().st_size - 10)  # its last commit was acknowledged
+    tear_last_commit(wal_path)  # that commit was acknowledged
     assert wal.check(wal_path) is None  # a torn tail, as a crash leaves one
     with pytest.raises(JournalCorrupt, match=r"ends at event \d+, but buffer\.sqlite3-commits records"):
         start(image)
+
+
+def test_a_connection_opened_on_the_store_commits_nothing_of_its_own(
+    clock: FakeClock, tmp_path: Path
+) -> None:
+    """The cleaner and a compaction's staging open connections of their own while the service
+    runs. Opening one writes nothing: every commit is the journal's, made under its write lock,
+    so the last commit in the WAL is the last one acknowledged."""
+    data = tmp_path / "data"
+    with opened(data, clock) as first:
+        commit_groups(first, 0, 2)
+        wait_for(lambda: not journal(first).cleanup_pending)
+        before = (data / "buffer.sqlite3-wal").read_bytes()
+        side = schema.connect(data / "buffer.sqlite3", sync=False)
+        try:
+            assert side.execute("SELECT count(*) FROM events").fetchone()[0] > 0
+            assert (data / "buffer.sqlite3-wal").read_bytes() == before
+        finally:
+            side.close()
 
 
 def test_a_torn_commit_never_acknowledged_is_dropped_as_before(clock: FakeClock, tmp_path: Path) -> None:
@@ -109,7 +128,7 @@ def test_a_torn_commit_never_acknowledged_is_dropped_as_before(clock: FakeClock,
         image = crash_image(data, tmp_path / "crashed", FILES[:2])
     (image / "buffer.sqlite3-commits").write_bytes(count)
     wal_path = image / "buffer.sqlite3-wal"
-    os.truncate(wal_path, wal_path.stat().st_size - 10)  # the commit being written at the crash
+    tear_last_commit(wal_path)  # the commit being written at the crash
     with opened(image, clock) as second:
         assert [g.instance_id for g in second.buffer.read().groups] == [f"q{i}" for i in range(5)]
         assert second.buffer.stats()["pending_items"] == 0

@@ -4,6 +4,8 @@ can see of it: what the store tests (``tests/store``) share."""
 from __future__ import annotations
 
 import contextlib
+import os
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,3 +129,22 @@ def opened(directory: Path, clock: FakeClock, **options: Any) -> Iterator[Opened
 def journal(service: Opened) -> Journal:
     assert isinstance(service.store, Journal)
     return service.store
+
+
+def tear_last_commit(wal: Path) -> None:
+    """Cut the WAL short 10 bytes before the end of its last commit, as a crash while that
+    commit was being written leaves it. The last commit is not always at the file's end: once
+    a checkpoint has copied every frame, the next commit starts the WAL again from its start
+    (new salts), and the frames after it are left from before."""
+    data = wal.read_bytes()
+    page_size = struct.unpack_from(">I", data, 8)[0]
+    salts = data[16:24]
+    frame_size = 24 + page_size
+    end = None
+    for offset in range(32, len(data) - frame_size + 1, frame_size):
+        if data[offset + 8 : offset + 16] != salts:
+            break  # frames of the WAL before it started again
+        if struct.unpack_from(">I", data, offset + 4)[0]:  # the last frame of a commit
+            end = offset + frame_size
+    assert end is not None, f"{wal} holds no commit"
+    os.truncate(wal, end - 10)
