@@ -27,4 +27,5 @@ async def get_job(job_id: str, svc: Annotated[Services, Depends(services)]) -> R
 @router.post("/{job_id}/cancel")
 async def cancel_job(job_id: str, svc: Annotated[Services, Depends(services)]) -> Response:
     job = await svc.jobs.cancel(job_id)
+    await svc.buffer.wait_durable()  # the job's end on disk: a crash after the answer does not resume it
     return envelope(True, f"Job {job.status.value}", svc.jobs.describe(job))

@@ -79,6 +79,9 @@ async def _start(body: StartRolloutRequest, generator: Generator, name: str, svc
         svc.buffer.configure_task(name, settings, generator.hooks, hooks_source=body.task_type)
     await svc.buffer.wait_durable()
     job = svc.jobs.start(generator, data, name=name, restart=body.restart)
+    # Answered only once the job's record is on disk: a crash after the answer resumes it (and
+    # its task goes on counting what its workers, and remote ones, make) rather than forget it.
+    await svc.buffer.wait_durable()
     return _started(svc, job, "Rollout started")
 
 
