@@ -77,10 +77,10 @@ async def _start(body: StartRolloutRequest, generator: Generator, name: str, svc
         svc.buffer.configure_task(name, settings, EVALUATION_HOOKS, hooks_source=EVALUATION_SOURCE)
     else:
         svc.buffer.configure_task(name, settings, generator.hooks, hooks_source=body.task_type)
-    await svc.buffer.wait_durable()
     job = svc.jobs.start(generator, data, name=name, restart=body.restart)
-    # Answered only once the job's record is on disk: a crash after the answer resumes it (and
-    # its task goes on counting what its workers, and remote ones, make) rather than forget it.
+    # Answered only once the task's settings and the job's record are on disk (one wait: the
+    # journal keeps them in this order): a crash after the answer resumes the job (and its task
+    # goes on counting what its workers, and remote ones, make) rather than forget it.
     await svc.buffer.wait_durable()
     return _started(svc, job, "Rollout started")
 
