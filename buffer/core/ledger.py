@@ -17,6 +17,13 @@ goes on counting: a later start of the same generator and plan continues it
 Progress is the task's trajectories written (``TaskBuffer.written``) since the job's last
 start: as the records are replayed in the order they were written, a replay finds the same
 count at each ``job`` and ``job_resume`` record as the run that wrote it.
+
+A task may have no job at all: remote lease workers (``rollout-buffer worker --leases``) make its
+plan, and after a restart they walk it again from the task's resume point. So the first work the
+lease board grants for a task whose groups nothing counts starts a *remote run* (``remote``): a
+``job`` record marked ``remote``, kept as an unfinished job of no generator, whose count goes on
+as an unfinished job's does, through restarts and snapshots, until a job of the task starts
+(which, unless it continues, counts afresh, as any start does). Nothing resumes it.
 """
 
 from __future__ import annotations
@@ -61,6 +68,24 @@ class JobLedger:
         if log is not None:
             record = {"e": "job", "t": task.task_type, "g": generator, "data": data, "plan": plan}
             log(encode({**record, "resumed": True} if resumed else record))
+
+    def remote(self, task: TaskBuffer, log: Log) -> bool:
+        """Remote lease workers were granted the task's work: if nothing counts its finished
+        groups (no job, running or unfinished), count them from now on as a remote run's; False
+        where something does already."""
+        if task.job_finished is not None:
+            return False
+        self._remote(task)
+        if log is not None:
+            # A ``job`` record: a service that does not know ``remote`` finds a job of no
+            # generator, says so, and keeps it unfinished, not resumed: what a remote run is.
+            record: dict[str, Any] = {"e": "job", "t": task.task_type, "g": None, "data": {}, "plan": None}
+            log(encode({**record, "remote": True}))
+        return True
+
+    def _remote(self, task: TaskBuffer) -> None:
+        self.jobs[task.task_type] = {"generator": None, "plan": None, "unfinished": True, "remote": True}
+        task.start_job_count()
 
     def _start(self, task: TaskBuffer, generator: str, data: Any, plan: str | None, resumed: bool) -> None:
         self.jobs[task.task_type] = {
@@ -166,7 +191,9 @@ class JobLedger:
     ) -> None:
         """Replay one of the ledger's records (``KINDS``); ``task_of`` finds or makes a task."""
         kind, task_type = header["e"], header["t"]
-        if kind == "job":
+        if kind == "job" and header.get("remote"):
+            self._remote(task_of(task_type))
+        elif kind == "job":
             resumed = bool(header.get("resumed"))
             self._start(task_of(task_type), header["g"], header["data"], header.get("plan"), resumed)
         elif kind == "job_end":

@@ -447,6 +447,13 @@ class RolloutBuffer:
         with self._lock:
             self._ledger.ended(task_type, self._tasks.get(task_type), self._log, finished=finished)
 
+    def remote_run(self, task_type: str) -> bool:
+        """Remote lease workers were granted work of the task: where nothing counts its finished
+        groups (no job), count them from now on, kept across restarts, so that its
+        ``resume_point`` says what they made (``JobLedger.remote``). False where something did."""
+        with self._lock:
+            return self._ledger.remote(self._task(task_type), self._log)
+
     def job_continues(self, task_type: str, generator: str, plan: str | None) -> bool:
         """Whether a job of ``generator`` and ``plan`` started now would continue the task's
         job that ended unfinished (the same generator and plan): its ``resume_point`` holds

@@ -21,7 +21,8 @@ process talks to the board directly; any other over HTTP (``POST /tasks/{name}/l
 A worker over HTTP names the board it claims from (its identity, from the board's first answer).
 A board that is not that one (the service restarted, or the task's job opened a new one) knows
 nothing of what was made before it: it grants nothing and says its identity, and the worker
-fetches the task's resume point (``GET /tasks/{name}/resume_point``, what its job made), claims
+fetches the task's resume point (``GET /tasks/{name}/resume_point``: what its job made, or with
+no job what its workers made, the task's remote run: ``buffer.core.ledger``), claims
 again on the new board what it still has in flight (its last samples, not made yet: its own,
 not another's to make), and walks its plan from the start again, skipping what was made, so the
 new board is offered only what is still to make. A worker over HTTP does the same before its

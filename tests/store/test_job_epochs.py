@@ -95,3 +95,55 @@ def test_the_resume_point_counts_groups_by_their_epoch_across_restarts(tmp_path:
         (0, "V"): every,
         (1, "V"): every,
     }
+
+
+def test_a_remote_runs_count_is_kept_through_restarts_and_snapshots_until_a_job_starts(
+    tmp_path: Path,
+) -> None:
+    """Lease workers making a task's plan with no job: the first work granted starts the task's
+    remote run, whose resume point a restarted service's workers walk from."""
+    clock = FakeClock()
+
+    def reopen() -> Opened:
+        return Opened(Journal(tmp_path / "data", sync=False), clock)
+
+    def close(opened: Opened) -> None:
+        opened.store.wait_durable_blocking(5)
+        opened.close()
+
+    first = reopen()
+    assert first.buffer.remote_run("rec") is True  # nothing counted the task's groups
+    assert first.buffer.remote_run("rec") is False  # its remote run does now
+    for item in said("X", 0, range(4)) + said("Y", 0, [0]):
+        first.buffer.write(item)
+    expected = {
+        "finished_groups": [["X", 1]],
+        "open_groups": [["Y", [0]]],
+        "finished_epochs": [["X", 0, 1]],
+        "open_epochs": [["Y", 0]],
+    }
+    assert point(first) == expected
+    close(first)
+
+    second = reopen()  # the records replayed
+    assert point(second) == expected
+    assert second.buffer.jobs == {}  # nothing to resume
+    second.store.compact()
+    close(second)
+
+    third = reopen()  # from the snapshot
+    assert point(third) == expected
+    assert third.buffer.remote_run("rec") is False
+    third.buffer.job_started("rec", "gen", {}, plan="p")  # a job's start counts afresh, as any start
+    assert point(third)["finished_groups"] == []
+    assert third.buffer.remote_run("rec") is False  # the job counts
+    close(third)
+
+
+def test_a_task_whose_unfinished_job_counts_starts_no_remote_run(tmp_path: Path) -> None:
+    opened = Opened(Journal(tmp_path / "data", sync=False), FakeClock())
+    opened.buffer.job_started("rec", "gen", {}, plan="p")
+    opened.buffer.job_ended("rec", finished=False)  # its count goes on for a start of its plan
+    assert opened.buffer.remote_run("rec") is False
+    assert opened.buffer.job_continues("rec", "gen", "p")
+    opened.close()

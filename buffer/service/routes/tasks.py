@@ -119,7 +119,9 @@ async def claim_leases(name: str, body: LeaseClaim, svc: Annotated[Services, Dep
     of the task's board now; a claim naming another board is granted nothing (the board is new:
     the worker walks its plan from the task's ``resume_point`` first). ``settle_s``: the board
     is new and grants only items in flight for that long: claim again after. ``finished``: the
-    task's job made its whole plan: the worker stops."""
+    task's job made its whole plan: the worker stops. Work granted for a task no job counts
+    starts the task's remote run (``RolloutBuffer.remote_run``): its resume point then says what
+    its workers made, after a restart too."""
     board = svc.jobs.leases
     _check_task(name, svc)
     answer: dict[str, Any] = {"granted": []}
@@ -131,6 +133,8 @@ async def claim_leases(name: str, body: LeaseClaim, svc: Annotated[Services, Dep
         answer["settle_s"] = round(settling.seconds, 3)
     except PlanFinished:
         answer["finished"] = True
+    if answer["granted"]:
+        svc.buffer.remote_run(name)  # journaled before any granted item's trajectory can be
     answer["board"] = board.identity(name)
     return envelope(True, f"{len(answer['granted'])} granted", answer)
 
@@ -147,6 +151,8 @@ async def claim_orphans(
         granted, held_by_others, unmade = board.orphans(name, body.worker, body.limit, body.ttl_s, body.board)
     except PlanFinished:
         return envelope(True, "finished", {"granted": [], "held_by_others": 0, "unmade": 0, "finished": True})
+    if granted:
+        svc.buffer.remote_run(name)
     return envelope(
         True,
         f"{len(granted)} granted",
@@ -176,12 +182,12 @@ def _check_task(name: str, svc: Services) -> None:
 
 @router.get("/{name}/resume_point")
 async def resume_point(name: str, svc: Annotated[Services, Depends(services)]) -> Response:
-    """What the task's job has produced since it started (``RolloutBuffer.resume_point``): a
-    lease worker whose board changed (a restarted service) walks its plan from here, so it
-    offers only what is still to make, by instance and epoch where the trajectories said
-    their epoch (``finished_epochs``, ``open_epochs``). Empty for a task the buffer does not
-    know. ``finished``: the task's job made its whole plan (this life of the service): nothing
-    is left to make, a worker stops."""
+    """What the task's job (or its remote run: lease workers, no job) has produced since it
+    started (``RolloutBuffer.resume_point``): a lease worker whose board changed (a restarted
+    service) walks its plan from here, so it offers only what is still to make, by instance
+    and epoch where the trajectories said their epoch (``finished_epochs``, ``open_epochs``).
+    Empty for a task the buffer does not know. ``finished``: the task's job made its whole plan
+    (this life of the service): nothing is left to make, a worker stops."""
     point = svc.buffer.known_resume_point(name) or {"finished_groups": [], "open_groups": []}
     finished = svc.jobs.leases.finished(name)
     return envelope(True, f"resume point of {name}", {"resume": point, "finished": finished})
