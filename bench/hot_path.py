@@ -10,7 +10,9 @@ Modes (``--mode``, default all three):
   as the toolkit's ``HttpSink`` sends it (generators outside the service, worker processes: the runner
   flushes the sink at a group's last write); ``--write single``: a ``POST /buffer/write`` per
   trajectory. Reports the server's CPU seconds over the recorded tokens written: the service's cost per
-  token, writes, group completion and reads together.
+  token, writes, group completion and reads together. ``--checks free`` (or ``real,free``, the two
+  interleaved per size) runs the service with the checks of the ids and logprobs replaced by a count
+  (``unchecked_buffer.py``): the cost of everything else, what is left when those checks cost nothing.
 - ``gc``: in this process, a ``RolloutBuffer`` set up as ``rollout-buffer serve`` sets the collector up
   (thresholds 50,000/20/20, ``gc.freeze()`` at start, and again once its task exists where the
   service's sweeper does that, ``buffer.service.app._freeze_new_tasks``), filled with ``--pending``
@@ -32,6 +34,7 @@ Run (from the repository root, with the dev venv):
 
     .venv/bin/python bench/hot_path.py
     .venv/bin/python bench/hot_path.py --mode tokens --tokens 2000,8000 --groups 200 --write batch,single
+    .venv/bin/python bench/hot_path.py --mode tokens --tokens 2000 --groups 400 --checks real,free
     .venv/bin/python bench/hot_path.py --mode gc --pending 1000000
     .venv/bin/python bench/hot_path.py --mode stack --requests 2000 --repeats 5
     .venv/bin/python bench/hot_path.py --mode layers
@@ -98,7 +101,11 @@ def recorded(trajectory: dict[str, Any]) -> int:
     return sum(len(turn["prompt_ids"]) + len(turn["output_ids"]) for turn in trajectory["turns"])
 
 
-def tokens_run(args: argparse.Namespace, tokens: int, write: str) -> dict[str, Any]:
+#: ``--checks free``: the service with its token lists' checks made free (``unchecked_buffer.py``).
+UNCHECKED = common.REPO / "bench" / "unchecked_buffer.py"
+
+
+def tokens_run(args: argparse.Namespace, tokens: int, write: str, checks: str = "real") -> dict[str, Any]:
     size = args.group_size
     batch = write == "batch"
     # A few templates, their ids replaced per write: the client's own encoding stays out of the timing.
@@ -112,7 +119,11 @@ def tokens_run(args: argparse.Namespace, tokens: int, write: str) -> dict[str, A
         )
         parts.append((head, middle, tail))
     with (
-        common.Server(size, common.server_args(args.server_args)) as server,
+        common.Server(
+            size,
+            common.server_args(args.server_args),
+            entry=UNCHECKED if checks == "free" else common.REPO / "buffer.py",
+        ) as server,
         common.RawClient(server.port) as client,
     ):
         read = orjson.dumps({"batch_size": -1})
@@ -150,6 +161,7 @@ def tokens_run(args: argparse.Namespace, tokens: int, write: str) -> dict[str, A
         cpu = common.cpu_seconds(server.pid) - cpu_before
     return {
         "write": write,
+        "checks": checks,
         "tokens": per_trajectory,
         "json_bytes": len(parts[0][0]) + len(parts[0][1]) + len(parts[0][2]),
         "trajectories": written,
@@ -430,12 +442,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {}
     if "tokens" in modes:
         rows = [
-            tokens_run(args, int(tokens), write)
+            tokens_run(args, int(tokens), write, checks)
             for write in args.write.split(",")
             for tokens in args.tokens.split(",")
+            for checks in args.checks.split(",")
         ]
         columns = [
             "write",
+            "checks",
             "tokens",
             "json_bytes",
             "trajectories",
@@ -489,6 +503,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="batch,single",
         help="for --mode tokens: batch (each group one POST /buffer/write_batch, as HttpSink sends it), "
         "single (a POST /buffer/write per trajectory), or both, comma-separated (default both)",
+    )
+    parser.add_argument(
+        "--checks",
+        default="real",
+        help="for --mode tokens: real (the service as it is), free (its token lists' checks replaced by a "
+        "count: bench/unchecked_buffer.py, what the rest of the path costs), or both, comma-separated",
     )
     parser.add_argument("--groups", type=int, default=150, help="groups written per token size (default 150)")
     parser.add_argument("--read-every", type=int, default=10, help="groups between reads (default 10)")
