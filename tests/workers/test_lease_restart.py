@@ -102,9 +102,9 @@ def _written(client: httpx.Client) -> int:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("job", [True, False], ids=["with-a-job", "without-a-job"])
+@pytest.mark.parametrize("with_job", [True, False], ids=["with-a-job", "without-a-job"])
 def test_remote_lease_workers_make_each_item_once_across_a_service_restart(
-    simulator: str, tmp_path: Path, job: bool
+    simulator: str, tmp_path: Path, with_job: bool
 ) -> None:
     generators = tmp_path / "generator"
     generators.mkdir()
@@ -137,7 +137,7 @@ def test_remote_lease_workers_make_each_item_once_across_a_service_restart(
         with _service(port, data_dir, generators, log) as service:
             with httpx.Client(base_url=url, timeout=30, trust_env=False) as client:
                 start = {"task_type": task, "stop_file": str(stop_file), "num_repeat_per_sample": REPEATS}
-                if job:
+                if with_job:
                     assert client.post("/start_rollout", json=start).status_code == 200
                 with (tmp_path / "workers.log").open("ab") as output:
                     workers = [
@@ -163,7 +163,7 @@ def test_remote_lease_workers_make_each_item_once_across_a_service_restart(
                 jobs = client.get("/jobs").json()["data"]["jobs"]
                 return bool(jobs) and all(job["status"] != "running" for job in jobs)
 
-            if job:
+            if with_job:
                 wait_for(job_done, 30, "the resumed job")
             while batch := client.post(
                 "/get_rollout_data", json={"task_type": task, "batch_size": -1}
