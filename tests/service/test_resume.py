@@ -23,11 +23,10 @@ from buffer.processes import free_port, wait_ready
 from buffer.service.app import create_app
 from buffer.service.jobs import JobManager, JobStatus, plan_of
 from buffer.service.settings import Settings
-from buffer.store.sqlite import Journal
 from tests.support.calls import wait_for
 from tests.support.factories import FakeClock, trajectory
 from tests.support.paths import REPO
-from tests.support.stores import Opened
+from tests.support.stores import on_journal
 
 # Writes the data it was started with to data["out"], then runs until cancelled.
 RECORDER = """
@@ -89,39 +88,32 @@ def test_the_count_and_an_unfinished_job_survive_restarts(tmp_path: Path) -> Non
     """What a crash is measured against is what the records replay to, compacted or not."""
     clock = FakeClock()
 
-    def reopen() -> Opened:
-        return Opened(Journal(tmp_path / "data", sync=False), clock)
-
-    def close(opened: Opened) -> None:
-        opened.store.wait_durable_blocking(5)
-        opened.close()
-
-    first = reopen()
+    first = on_journal(tmp_path / "data", clock)
     first.buffer.job_started("rec", "recorder", {}, plan="p")
     first.buffer.write(trajectory("q1", task_type="rec"))
     first.buffer.job_resumed("rec", 1)  # as after a crash: progress counts from here
-    close(first)
-    second = reopen()  # the records replayed
+    first.stop()
+    second = on_journal(tmp_path / "data", clock)  # the records replayed
     assert second.buffer.crashes_if_resumed("rec") == 2
     second.buffer.write(trajectory("q2", task_type="rec"))
     second.store.compact()
-    close(second)
-    third = reopen()  # from the snapshot
+    second.stop()
+    third = on_journal(tmp_path / "data", clock)  # from the snapshot
     assert third.buffer.crashes_if_resumed("rec") == 1
     third.buffer.job_ended("rec", finished=False)
-    close(third)
-    fourth = reopen()
+    third.stop()
+    fourth = on_journal(tmp_path / "data", clock)
     assert fourth.buffer.jobs == {}  # nothing to resume
     assert fourth.buffer.job_continues("rec", "recorder", "p")
     assert not fourth.buffer.job_continues("rec", "recorder", "another plan")
     assert fourth.buffer.resume_point("rec")["open_groups"] == [["q1", [None]], ["q2", [None]]]
     fourth.store.compact()
-    close(fourth)
-    fifth = reopen()
+    fourth.stop()
+    fifth = on_journal(tmp_path / "data", clock)
     assert fifth.buffer.job_continues("rec", "recorder", "p")
     fifth.buffer.job_started("rec", "recorder", {}, plan="p", resumed=True)
     assert not fifth.buffer.job_continues("rec", "recorder", "p")  # running again
-    close(fifth)
+    fifth.stop()
 
 
 # -- a start of the same plan ---------------------------------------------------------------

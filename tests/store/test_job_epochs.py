@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from buffer.store.sqlite import Journal
 from buffer.toolkit.dataset import Plan, ResumePoint
 from tests.support.factories import FakeClock, trajectory
-from tests.support.stores import Opened
+from tests.support.stores import Opened, on_journal
 
 
 def said(instance_id: str, epoch: int | None, repeats: range | list[int]) -> list[dict[str, Any]]:
@@ -29,14 +28,7 @@ def point(opened: Opened) -> dict[str, list[Any]]:
 def test_the_resume_point_counts_groups_by_their_epoch_across_restarts(tmp_path: Path) -> None:
     clock = FakeClock()
 
-    def reopen() -> Opened:
-        return Opened(Journal(tmp_path / "data", sync=False), clock)
-
-    def close(opened: Opened) -> None:
-        opened.store.wait_durable_blocking(5)
-        opened.close()
-
-    first = reopen()
+    first = on_journal(tmp_path / "data", clock)
     first.buffer.job_started("rec", "gen", {}, plan="p")
     items = said("X", 1, range(4))  # epoch 1's X finished before epoch 0's
     items += said("Z", None, range(4))  # a generator of its own: no epoch
@@ -54,21 +46,21 @@ def test_the_resume_point_counts_groups_by_their_epoch_across_restarts(tmp_path:
         "open_epochs": [["Y", 0]],
     }
     assert point(first) == expected
-    close(first)
+    first.stop()
 
-    second = reopen()  # the records replayed
+    second = on_journal(tmp_path / "data", clock)  # the records replayed
     assert point(second) == expected
     second.store.compact()
-    close(second)
+    second.stop()
 
-    third = reopen()  # from the snapshot
+    third = on_journal(tmp_path / "data", clock)  # from the snapshot
     assert point(third) == expected
     third.buffer.job_ended("rec", finished=False)  # kept unfinished: a start of the plan continues it
-    close(third)
+    third.stop()
 
-    fourth = reopen()
+    fourth = on_journal(tmp_path / "data", clock)
     assert point(fourth) == expected
-    close(fourth)
+    fourth.stop()
 
     # the resumed plan makes exactly what is missing
     plan = Plan(
@@ -104,14 +96,7 @@ def test_a_remote_runs_count_is_kept_through_restarts_and_snapshots_until_a_job_
     remote run, whose resume point a restarted service's workers walk from."""
     clock = FakeClock()
 
-    def reopen() -> Opened:
-        return Opened(Journal(tmp_path / "data", sync=False), clock)
-
-    def close(opened: Opened) -> None:
-        opened.store.wait_durable_blocking(5)
-        opened.close()
-
-    first = reopen()
+    first = on_journal(tmp_path / "data", clock)
     assert first.buffer.remote_run("rec") is True  # nothing counted the task's groups
     assert first.buffer.remote_run("rec") is False  # its remote run does now
     for item in said("X", 0, range(4)) + said("Y", 0, [0]):
@@ -123,25 +108,25 @@ def test_a_remote_runs_count_is_kept_through_restarts_and_snapshots_until_a_job_
         "open_epochs": [["Y", 0]],
     }
     assert point(first) == expected
-    close(first)
+    first.stop()
 
-    second = reopen()  # the records replayed
+    second = on_journal(tmp_path / "data", clock)  # the records replayed
     assert point(second) == expected
     assert second.buffer.jobs == {}  # nothing to resume
     second.store.compact()
-    close(second)
+    second.stop()
 
-    third = reopen()  # from the snapshot
+    third = on_journal(tmp_path / "data", clock)  # from the snapshot
     assert point(third) == expected
     assert third.buffer.remote_run("rec") is False
     third.buffer.job_started("rec", "gen", {}, plan="p")  # a job's start counts afresh, as any start
     assert point(third)["finished_groups"] == []
     assert third.buffer.remote_run("rec") is False  # the job counts
-    close(third)
+    third.stop()
 
 
 def test_a_task_whose_unfinished_job_counts_starts_no_remote_run(tmp_path: Path) -> None:
-    opened = Opened(Journal(tmp_path / "data", sync=False), FakeClock())
+    opened = on_journal(tmp_path / "data", FakeClock())
     opened.buffer.job_started("rec", "gen", {}, plan="p")
     opened.buffer.job_ended("rec", finished=False)  # its count goes on for a start of its plan
     assert opened.buffer.remote_run("rec") is False

@@ -56,6 +56,16 @@ class Opened:
     def close(self) -> None:
         self.store.close()
 
+    def stop(self) -> None:
+        """Close once everything written is on disk, as the service stops cleanly."""
+        self.store.wait_durable_blocking(5)
+        self.close()
+
+
+def on_journal(directory: Path, clock: FakeClock) -> Opened:
+    """A buffer started on the data folder ``directory`` (a ``Journal``, unsynced: a test's)."""
+    return Opened(Journal(directory, sync=False), clock)
+
 
 def state(buffer: RolloutBuffer) -> dict[str, Any]:
     """Everything a client can observe, without changing it."""
