@@ -79,8 +79,9 @@ class JobLedger:
         if log is not None:
             # A ``job`` record: a service that does not know ``remote`` finds a job of no
             # generator, says so, and keeps it unfinished, not resumed: what a remote run is.
-            record: dict[str, Any] = {"e": "job", "t": task.task_type, "g": None, "data": {}, "plan": None}
-            log(encode({**record, "remote": True}))
+            log(
+                encode({"e": "job", "t": task.task_type, "g": None, "data": {}, "plan": None, "remote": True})
+            )
         return True
 
     def _remote(self, task: TaskBuffer) -> None:
